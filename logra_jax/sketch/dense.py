@@ -1,0 +1,120 @@
+"""SketchDense: a Dense layer whose backward pass emits a low-rank gradient sketch.
+
+Shapes: B batch, L sequence, K input features (k_in), D output features (d_out), R rank.
+A projection `A_RxK` and a zero probe `P_RxD` ride along with the kernel `W_KxD`:
+
+* `sketch_matmul` (a `jax.custom_vjp`): forward `x @ W`; backward returns the usual input
+  cotangent and, as the probe's cotangent, the sketch `S = A @ G_W = (x Aᵀ)ᵀ g`. The dense
+  kernel gradient `G_W` (K×D) is never formed; the residual is `x Aᵀ` (tokens × R), fp32.
+* `sketch_matmul_linear`: `x @ W + (x Aᵀ) @ P`, the same layer written so that forward-mode
+  AD works (custom_vjp functions cannot be JVP'd). Its JVP along a probe tangent U equals
+  the JVP along the kernel tangent Aᵀ U, which is what the predicted-KL estimate needs.
+
+`SketchDense` (Flax Linen) reads A and P from the `projection` and `probe` variable
+collections under the name `kernel`, so the projection/probe/sketch trees have exactly the
+paths of the sketched kernels in the `params` tree. Without them it is an ordinary Dense.
+"""
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+PROJECTION = 'projection'
+PROBE = 'probe'
+SKETCH_MODES = ('vjp', 'linear')
+
+
+def _acc_dtype(dtype):
+  """Sketch accumulation dtype: at least fp32 (bf16 activations accumulate in fp32)."""
+  return jnp.promote_types(jnp.float32, dtype)
+
+
+def _xa(x, projection):
+  """x Aᵀ in (at least) fp32: (..., K) x (R, K) -> (..., R)."""
+  return jnp.einsum('...k,rk->...r', x, projection.astype(x.dtype),
+                    preferred_element_type=_acc_dtype(x.dtype))
+
+
+@jax.custom_vjp
+def sketch_matmul(x, kernel, projection, probe):
+  """`x @ kernel`; the probe's cotangent is the rank-R sketch `A @ dL/dkernel`.
+
+  Args:
+    x: activations (..., K).
+    kernel: weight (K, D).
+    projection: A, (R, K); E[AᵀA] = I.
+    probe: zeros (R, D), fp32. Differentiate w.r.t. it to get the sketch.
+
+  Returns:
+    (..., D) = x @ kernel, in the dtype of x.
+  """
+  del projection, probe
+  return jnp.einsum('...k,kd->...d', x, kernel.astype(x.dtype))
+
+
+def _sketch_matmul_fwd(x, kernel, projection, probe):
+  y = jnp.einsum('...k,kd->...d', x, kernel.astype(x.dtype))
+  return y, (_xa(x, projection), kernel, projection, probe)
+
+
+def _sketch_matmul_bwd(res, g):
+  xa, kernel, projection, probe = res
+  dx = jnp.einsum('...d,kd->...k', g, kernel.astype(g.dtype))
+  s = jnp.einsum('...r,...d->rd', xa, g.astype(xa.dtype),
+                 preferred_element_type=xa.dtype)
+  # The kernel and projection get zero cotangents: the sketch replaces the kernel gradient.
+  return (dx, jnp.zeros_like(kernel), jnp.zeros_like(projection),
+          s.astype(probe.dtype))
+
+
+sketch_matmul.defvjp(_sketch_matmul_fwd, _sketch_matmul_bwd)
+
+
+def sketch_matmul_linear(x, kernel, projection, probe):
+  """`x @ kernel + (x Aᵀ) @ probe`: JVP along probe tangent U == JVP along kernel Aᵀ U."""
+  y = jnp.einsum('...k,kd->...d', x, kernel.astype(x.dtype))
+  delta = jnp.einsum('...r,rd->...d', _xa(x, projection), probe.astype(_acc_dtype(x.dtype)))
+  return y + delta.astype(y.dtype)
+
+
+class SketchDense(nn.Module):
+  """Dense layer y = x W (+ b) that can emit a LoGRA sketch of dL/dW.
+
+  Attributes:
+    features: D.
+    use_bias: add a bias (Qwen2's q/k/v).
+    kernel_axes: logical axis names of the kernel (K, D), for sharding.
+    sketch_mode: 'vjp' (training: custom_vjp sketch) or 'linear' (forward-mode / JVP).
+    dtype: computation dtype; param_dtype: storage dtype.
+  """
+  features: int
+  use_bias: bool = False
+  kernel_axes: Sequence[Optional[str]] = ('embed', 'mlp')
+  sketch_mode: str = 'vjp'
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, x):
+    if self.sketch_mode not in SKETCH_MODES:
+      raise ValueError(f'sketch_mode must be one of {SKETCH_MODES}, got {self.sketch_mode!r}')
+    kernel = self.param(
+        'kernel', nn.with_logical_partitioning(self.kernel_init, tuple(self.kernel_axes)),
+        (x.shape[-1], self.features), self.param_dtype)
+    x = x.astype(self.dtype)
+    if self.has_variable(PROJECTION, 'kernel'):
+      projection = self.get_variable(PROJECTION, 'kernel')
+      probe = self.get_variable(PROBE, 'kernel')
+      fn = sketch_matmul if self.sketch_mode == 'vjp' else sketch_matmul_linear
+      y = fn(x, kernel, projection, probe)
+    else:
+      y = jnp.einsum('...k,kd->...d', x, kernel.astype(self.dtype))
+    if self.use_bias:
+      bias = self.param(
+          'bias', nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                               (self.kernel_axes[-1],)),
+          (self.features,), self.param_dtype)
+      y = y + bias.astype(y.dtype)
+    return y

@@ -1,0 +1,96 @@
+"""Random projections A (R×K), rebuilt bit-exactly from (seed, step, name) anywhere.
+
+The derivation uses integer hashing only (no JAX PRNG, no library RNG), so a generator in
+another process, machine or framework rebuilds the same A from the seed:
+
+  * ``mix64(z)`` is the splitmix64 finaliser on unsigned 64-bit integers (all arithmetic mod
+    2**64): ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;
+    z ^= z >> 31``.
+  * ``name_hash`` is 64-bit FNV-1a over the UTF-8 bytes of the matrix name.
+  * ``key = mix64(mix64(mix64(seed + GOLDEN) ^ (step * STEP_MUL)) ^ name_hash)``.
+  * Element ``i`` of the row-major (R, K) matrix uses ``h_i = mix64(key + (i + 1) * GOLDEN)``.
+  * Rademacher: ``A_i = (+1 if the top bit of h_i is 0 else -1) / sqrt(R)`` (exact in float32).
+  * Gaussian: ``u1 = ((h_i >> 11) + 1) * 2**-53``, ``u2 = (mix64(h_i ^ GAUSS_SALT) >> 11) *
+    2**-53``, ``A_i = float32(sqrt(-2 ln u1) cos(2 pi u2) / sqrt(R))`` computed in float64.
+    The float32 result is bit-exact wherever the C library's float64 log/cos agree, which
+    differ, if at all, in the last float64 bit (a float32 flip has odds ~1e-9 per element);
+    ``projection_checksum`` travels with every update so a receiver detects any mismatch.
+
+Stacked (scanned) layers use the name ``f"{path}/{layer}"`` for layer ``layer``.
+E[AᵀA] = I for both kinds.
+"""
+import hashlib
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+STEP_MUL = 0xD1B54A32D192ED03
+GAUSS_SALT = 0x5851F42D4C957F2D
+KINDS = ('rademacher', 'gaussian')
+
+
+def _mix64(z):
+  """splitmix64 finaliser on a numpy uint64 array (wrapping arithmetic)."""
+  z = np.asarray(z, dtype=np.uint64)
+  with np.errstate(over='ignore'):
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return z ^ (z >> np.uint64(31))
+
+
+def name_hash(name: str) -> int:
+  """64-bit FNV-1a of the UTF-8 bytes of ``name``."""
+  h = 0xCBF29CE484222325
+  for byte in name.encode('utf-8'):
+    h = ((h ^ byte) * 0x100000001B3) & MASK64
+  return h
+
+
+def projection_key(seed: int, step: int, name: str) -> int:
+  """The 64-bit key of one matrix at one step (see the module docstring)."""
+  for v, what in ((seed, 'seed'), (step, 'step')):
+    if not isinstance(v, (int, np.integer)) or v < 0:
+      raise ValueError(f'{what} must be a non-negative integer, got {v!r}')
+  k = int(_mix64(np.uint64((int(seed) + GOLDEN) & MASK64)))
+  k = int(_mix64(np.uint64(k ^ ((int(step) * STEP_MUL) & MASK64))))
+  return int(_mix64(np.uint64(k ^ name_hash(name))))
+
+
+def sample_projection(seed, step, name, rank, dim, kind='rademacher', dtype=np.float32):
+  """Draws A (rank, dim) with E[AᵀA] = I, deterministic in (seed, step, name).
+
+  Args:
+    seed: run seed (non-negative int).
+    step: optimizer step (pass 0 for fixed projections).
+    name: the matrix name, e.g. 'layers/attn/q_proj/kernel/3'.
+    rank: R. dim: K (the kernel's input dimension).
+    kind: 'rademacher' (±1/√R) or 'gaussian' (N(0, 1/R)).
+
+  Returns:
+    A numpy array (rank, dim) of ``dtype``.
+  """
+  if kind not in KINDS:
+    raise ValueError(f'projection kind must be one of {KINDS}, got {kind!r}')
+  if int(rank) < 1 or int(dim) < 1:
+    raise ValueError(f'rank and dim must be >= 1, got rank={rank}, dim={dim}')
+  key = np.uint64(projection_key(seed, step, name))
+  idx = np.arange(1, rank * dim + 1, dtype=np.uint64)
+  with np.errstate(over='ignore'):
+    h = _mix64(key + idx * np.uint64(GOLDEN))
+  if kind == 'rademacher':
+    signs = 1.0 - 2.0 * (h >> np.uint64(63)).astype(np.float64)
+    out = signs / np.sqrt(rank)
+  else:
+    u1 = ((h >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
+    u2 = (_mix64(h ^ np.uint64(GAUSS_SALT)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    out = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2) / np.sqrt(rank)
+  return out.astype(np.float32).astype(dtype).reshape(rank, dim)
+
+
+def projection_checksum(a) -> str:
+  """SHA-256 hex digest of A's shape and float32 little-endian bytes."""
+  a = np.ascontiguousarray(np.asarray(a, dtype='<f4'))
+  h = hashlib.sha256(repr(tuple(a.shape)).encode())
+  h.update(a.tobytes())
+  return h.hexdigest()

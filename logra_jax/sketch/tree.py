@@ -1,0 +1,106 @@
+"""The sketch tree: projections, probes and sketches keyed by the sketched kernels' paths.
+
+A projection/probe/sketch tree is the ``params`` tree restricted to the sketched kernels
+(nested dicts, same keys). A kernel (K, D) gets A (R, K) and a probe (R, D); a kernel stacked
+over scanned layers (L, K, D) gets (L, R, K) and (L, R, D), one A per layer.
+"""
+import re
+from typing import Callable, Iterable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
+from logra_jax.sketch.dense import PROBE, PROJECTION
+from logra_jax.sketch.projection import sample_projection
+from logra_jax.sketch.rank import RankRules
+
+DEFAULT_TARGETS = (r'(^|/)(q|k|v|o|gate|up|down)_proj/kernel$',)
+
+
+def path_str(path: Sequence[str]) -> str:
+  return '/'.join(str(p) for p in path)
+
+
+def target_paths(params, patterns: Iterable[str] = DEFAULT_TARGETS):
+  """Paths (tuples) of the kernels to sketch: those whose '/'-joined path matches a regex."""
+  regs = [re.compile(p) for p in patterns]
+  flat = traverse_util.flatten_dict(params)
+  paths = [k for k in flat if any(r.search(path_str(k)) for r in regs)]
+  if not paths:
+    raise ValueError(f'no parameter matches the sketch targets {list(patterns)}')
+  return sorted(paths)
+
+
+def select(tree, paths):
+  """The sub-tree of ``tree`` at ``paths``."""
+  flat = traverse_util.flatten_dict(tree)
+  return traverse_util.unflatten_dict({p: flat[p] for p in paths})
+
+
+def kernels_of(params, projections):
+  """The kernels of ``params`` that ``projections`` sketches, as a tree of the same shape."""
+  return select(params, list(traverse_util.flatten_dict(projections)))
+
+
+def make_projections(params, seed: int, step: int, ranks=16, kind: str = 'rademacher',
+                     patterns: Iterable[str] = DEFAULT_TARGETS, dtype=jnp.float32):
+  """Draws A for every sketched kernel of ``params`` (arrays or ShapeDtypeStructs).
+
+  Args:
+    params: the model's params tree (only shapes are read).
+    seed, step: see ``sample_projection`` (pass step=0 for fixed projections).
+    ranks: an int, or a ``RankRules`` (per-module ranks by name pattern).
+    kind: 'rademacher' or 'gaussian'.
+    patterns: regexes selecting the sketched kernels.
+
+  Returns:
+    The projection tree (jnp arrays).
+  """
+  rules = ranks if isinstance(ranks, RankRules) else RankRules(default=int(ranks))
+  flat = traverse_util.flatten_dict(params)
+  out = {}
+  for path in target_paths(params, patterns):
+    shape = flat[path].shape
+    name = path_str(path)
+    d_in, d_out = shape[-2:]
+    r = rules.rank(name, d_in, d_out)
+    if len(shape) == 2:
+      a = sample_projection(seed, step, name, r, d_in, kind)
+    elif len(shape) == 3:
+      a = np.stack([sample_projection(seed, step, f'{name}/{l}', r, d_in, kind)
+                    for l in range(shape[0])])
+    else:
+      raise ValueError(f'sketched kernel {name} must be 2-D or layer-stacked 3-D, got {shape}')
+    out[path] = jnp.asarray(a, dtype)
+  return traverse_util.unflatten_dict(out)
+
+
+def zero_probes(params, projections, dtype=None):
+  """Zero probes (…, R, D) for every projection (…, R, K); fp32 (fp64 for fp64 A) by default."""
+  kernels = kernels_of(params, projections)
+  return jax.tree.map(
+      lambda k, a: jnp.zeros(a.shape[:-1] + k.shape[-1:],
+                             dtype or jnp.promote_types(jnp.float32, a.dtype)),
+      kernels, projections)
+
+
+def sketch_variables(params, projections, probes):
+  """The Flax variables dict that turns on sketching in every SketchDense."""
+  return {'params': params, PROJECTION: projections, PROBE: probes}
+
+
+def sketch_value_and_grad(loss_fn: Callable, has_aux: bool = False):
+  """Wraps ``loss_fn(variables, *args)`` into ``f(params, projections, *args)``.
+
+  ``f`` returns ``(loss, sketches)`` (or ``((loss, aux), sketches)``): the sketch tree of the
+  whole model from one ``jax.grad`` with respect to the probes only — the dense kernel
+  gradients are never formed.
+  """
+  def f(params, projections, *args):
+    probes = zero_probes(params, projections)
+    g = jax.value_and_grad(
+        lambda p: loss_fn(sketch_variables(params, projections, p), *args), has_aux=has_aux)
+    return g(probes)
+  return f

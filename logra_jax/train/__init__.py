@@ -1,0 +1,1 @@
+"""Train state, optimizer builders, the RL loop, checkpoints and metrics."""
