@@ -32,16 +32,21 @@ def _matrix_axes(x):
   return (x.ndim - 2, x.ndim - 1) if x.ndim >= 2 else tuple(range(x.ndim))
 
 
+def _state_dtype(dtype):
+  """RowAdam's state and arithmetic: fp32, or fp64 for fp64 sketches."""
+  return jnp.promote_types(jnp.float32, dtype)
+
+
 def _row_moment(s):
-  s = s.astype(jnp.float32)
+  s = s.astype(_state_dtype(s.dtype))
   axes = _unit_axes(s)
   return jnp.mean(s * s, axis=axes) if axes else s * s
 
 
 def _row_adam_leaf(s, nu, count, b2, eps):
   """One leaf: D = S / denom (per unit), rescaled to ‖S‖_F per matrix."""
-  s32 = s.astype(jnp.float32)
-  root = jnp.sqrt(nu / (1.0 - b2 ** count.astype(jnp.float32)))
+  s32 = s.astype(nu.dtype)
+  root = jnp.sqrt(nu / (1.0 - b2 ** count.astype(nu.dtype)))
   # The mean root over the units of one matrix (its last axis); a scalar is its own mean.
   mean_root = jnp.mean(root, axis=-1, keepdims=True) if root.ndim else root
   denom = root + jnp.maximum(eps * mean_root, TINY)
@@ -71,20 +76,20 @@ def scale_by_row_adam(b2: float = 0.95, eps: float = 1e-8) -> optax.GradientTran
   Example:
     >>> opt = optax.chain(scale_by_row_adam(), optax.scale(-1e-2))
   """
-  if not 0.0 <= b2 < 1.0:
+  if isinstance(b2, (int, float)) and not 0.0 <= b2 < 1.0:  # traced under inject_hyperparams
     raise ValueError(f'b2 must be in [0, 1), got {b2}')
-  if eps < 0:
+  if isinstance(eps, (int, float)) and eps < 0:
     raise ValueError(f'eps must be >= 0, got {eps}')
 
   def init_fn(params):
-    nu = jax.tree.map(lambda p: jnp.zeros(_row_moment(jnp.zeros_like(p)).shape, jnp.float32),
-                      params)
+    nu = jax.tree.map(lambda p: jnp.zeros(_row_moment(p).shape, _state_dtype(p.dtype)), params)
     return RowAdamState(count=jnp.zeros([], jnp.int32), nu=nu)
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
     count = optax.safe_increment(state.count)
-    nu = jax.tree.map(lambda s, v: b2 * v + (1.0 - b2) * _row_moment(s), updates, state.nu)
+    nu = jax.tree.map(lambda s, v: (b2 * v + (1.0 - b2) * _row_moment(s)).astype(v.dtype),
+                      updates, state.nu)
     out = jax.tree.map(lambda s, v: _row_adam_leaf(s, v, count, b2, eps), updates, nu)
     return out, RowAdamState(count=count, nu=nu)
 
@@ -106,7 +111,7 @@ def scale_by_relative_step(update_ratio: float) -> optax.GradientTransformationE
   Needs ``params`` = the sketched kernels (a tree shaped like the sketch tree) and the extra
   argument ``projections`` (A). Applied to the whole tree at once (one global factor).
   """
-  if update_ratio <= 0:
+  if isinstance(update_ratio, (int, float)) and update_ratio <= 0:
     raise ValueError(f'update_ratio must be > 0, got {update_ratio}')
 
   def init_fn(params):
@@ -118,7 +123,7 @@ def scale_by_relative_step(update_ratio: float) -> optax.GradientTransformationE
     if params is None or projections is None:
       raise ValueError('scale_by_relative_step needs params (the sketched kernels) and '
                        'projections=A passed to update()')
-    w_sq = sum(jnp.sum(jnp.square(w.astype(jnp.float32))) for w in jax.tree.leaves(params))
+    w_sq = sum(jnp.sum(jnp.square(w.astype(_state_dtype(w.dtype)))) for w in jax.tree.leaves(params))
     d_sq = sum(jax.tree.leaves(jax.tree.map(update_sq_norm, projections, updates)))
     factor = update_ratio * jnp.sqrt(w_sq / jnp.maximum(d_sq, TINY))
     out = jax.tree.map(lambda u: (u * factor).astype(u.dtype), updates)

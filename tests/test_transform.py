@@ -1,0 +1,117 @@
+"""RowAdam / SGD sketch transformations, against an independent numpy implementation."""
+import importlib.util
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from logra_jax import sketch
+
+jax.config.update('jax_enable_x64', True)
+
+
+def numpy_row_adam(sketches, b2=0.95, eps=1e-8):
+  """The authors' RowAdam as written (LOGRA_NOTES.md §7), paper layout S^T (D, R), float64."""
+  v, outs = None, []
+  for t, s in enumerate(sketches, start=1):
+    s = np.asarray(s, np.float64).T  # (D, R): one row per output unit
+    row = np.mean(s * s, axis=1)
+    v = (1 - b2) * row if v is None else b2 * v + (1 - b2) * row
+    root = np.sqrt(v / (1 - b2**t))
+    denom = root + max(eps * root.mean(), 1e-30)
+    scale = np.min(denom) / denom
+    scale = scale / np.sqrt(np.mean(scale**2))
+    d = scale[:, None] * s
+    d *= np.linalg.norm(s) / np.linalg.norm(d)
+    outs.append(d.T)
+  return outs
+
+
+def test_row_adam_matches_numpy_and_keeps_the_norm():
+  rng = np.random.default_rng(0)
+  seq = [rng.normal(size=(4, 6)) * rng.uniform(0.1, 10, size=(1, 6)) for _ in range(5)]
+  opt = sketch.scale_by_row_adam()
+  state = opt.init(jnp.zeros((4, 6)))
+  assert state.nu.shape == (6,)  # one second moment per output unit (column)
+  want = numpy_row_adam(seq)
+  for s, w in zip(seq, want):
+    u, state = opt.update(jnp.asarray(s), state)
+    # float64 throughout; the two implementations differ only in operation order.
+    np.testing.assert_allclose(u, w, rtol=1e-12)
+    np.testing.assert_allclose(np.linalg.norm(u), np.linalg.norm(s), rtol=1e-12)
+  assert int(state.count) == 5
+
+
+def test_row_adam_stacked_layers_per_matrix_and_zero_sketch():
+  rng = np.random.default_rng(1)
+  s = rng.normal(size=(3, 4, 6))
+  opt = sketch.scale_by_row_adam()
+  u, st = opt.update(jnp.asarray(s), opt.init(jnp.asarray(s)))
+  assert st.nu.shape == (3, 6)
+  for l in range(3):  # each layer's matrix is its own RowAdam problem
+    np.testing.assert_allclose(u[l], numpy_row_adam([s[l]])[0], rtol=1e-12)
+  z, _ = opt.update(jnp.zeros((4, 6)), opt.init(jnp.zeros((4, 6))))
+  assert np.all(np.isfinite(z)) and np.all(z == 0)
+
+
+def test_row_adam_keeps_dtype_state_fp32_and_no_recompile():
+  opt = sketch.logra(1e-2)
+  tree = {'a': jnp.ones((2, 3), jnp.bfloat16), 'b': jnp.ones((5,), jnp.bfloat16),
+          'c': jnp.ones((), jnp.bfloat16)}
+  state = opt.init(tree)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state[0].nu))
+  step = jax.jit(opt.update)
+  u, state = step(tree, state)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
+  n = step._cache_size()
+  u, state = step(tree, state)
+  assert step._cache_size() == n
+
+
+def test_sgd_sketch_and_relative_step():
+  a = {'w': jnp.asarray(sketch.sample_projection(0, 0, 'w', 2, 5), jnp.float64)}
+  w = {'w': jnp.asarray(np.random.default_rng(2).normal(size=(5, 3)))}
+  s = {'w': jnp.asarray(np.random.default_rng(3).normal(size=(2, 3)))}
+  opt = sketch.logra(1.0, optimizer='sgd', update_ratio=0.01)
+  u, _ = opt.update(s, opt.init(s), w, projections=a)
+  delta = sketch.expand_update(a['w'], u['w'])
+  # ‖Aᵀ U‖ = update_ratio · ‖W‖ by construction, and the direction is −Aᵀ S.
+  np.testing.assert_allclose(np.linalg.norm(delta), 0.01 * np.linalg.norm(w['w']), rtol=1e-12)
+  cos = np.sum(delta * -(a['w'].T @ s['w'])) / np.linalg.norm(delta) / np.linalg.norm(a['w'].T @ s['w'])
+  np.testing.assert_allclose(cos, 1.0, rtol=1e-12)
+  with pytest.raises(ValueError, match='projections'):
+    opt.update(s, opt.init(s), w)
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match='b2'):
+    sketch.scale_by_row_adam(b2=1.0)
+  with pytest.raises(ValueError, match='optimizer'):
+    sketch.logra(1e-2, optimizer='adamw')
+
+
+def _optax_contract_module():
+  """optax's own contract tests for contrib optimizers, with `logra` as the optimizer under test.
+
+  The installed optax ships `optax/contrib/_common_test.py`; we load its source with the list
+  of optimizers under test replaced by ours (its test logic runs unchanged).
+  """
+  spec = importlib.util.find_spec('optax.contrib._common_test')
+  src = open(spec.origin).read()
+  start = src.index('_MAIN_OPTIMIZERS_UNDER_TEST = [')
+  end = src.index('# Adding here instantiations of wrappers')
+  ours = ("_MAIN_OPTIMIZERS_UNDER_TEST = [\n"
+          "    {'opt_name': 'logra', 'opt_kwargs': {'learning_rate': 1e-3},\n"
+          "     'wrapper_name': None, 'wrapper_kwargs': None}]\n")
+  src = src[:start] + ours + src[end:]
+  src = re.sub(r'_BASE_OPTIMIZERS = \[.*?\n\]\n', '_BASE_OPTIMIZERS = []\n', src, flags=re.S)
+  mod = type(importlib)('optax_contract_for_logra')
+  optax.contrib.logra = sketch.logra  # the tests look optimizers up by name in optax.contrib
+  exec(compile(src, spec.origin, 'exec'), mod.__dict__)
+  return mod
+
+
+OptaxContractTest = _optax_contract_module().ContribTest
