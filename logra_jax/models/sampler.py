@@ -1,0 +1,185 @@
+"""Batched KV-cache sampling: prefill left-padded prompts, then a `lax.while_loop` decode.
+
+Shape key: B batch, P prompt length (left padded), T new tokens, V vocab.
+
+`generate_arrays` is the jitted array core (one compile per config, sampling settings and
+shapes); `generate` is the list-in / list-out wrapper that pads batch and prompt length to
+power-of-two buckets to limit recompiles. Each row samples with its own key derived from its
+seed, so a row's sample does not depend on the rest of the batch. The returned log-prob of a
+token is under softmax(logits / T) of the full vocabulary (softmax(logits) when greedy), before
+top-k / top-p truncation. A stop token is kept in the completion and counted in its length.
+"""
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.transformer import Transformer, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature 0 = greedy; top_k 0 = off; top_p 1 = off."""
+  temperature: float = 0.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f'temperature must be >= 0, got {self.temperature}')
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f'top_p must be in (0, 1], got {self.top_p}')
+    if self.top_k < 0:
+      raise ValueError(f'top_k must be >= 0, got {self.top_k}')
+
+
+@dataclasses.dataclass
+class SampleOutput:
+  tokens: list[list[int]]
+  logprobs: list[list[float]]
+  finish_reasons: list[str]  # 'stop' | 'length'
+
+
+@flax.struct.dataclass
+class _State:
+  step: jax.Array          # () int32
+  logits_BxV: jax.Array    # logits of the next token
+  tokens_BxT: jax.Array    # int32, 0 after the end
+  logprobs_BxT: jax.Array  # float32, 0 after the end
+  lengths_B: jax.Array     # int32
+  stopped_B: jax.Array     # bool: emitted a stop token
+  cache: dict
+
+
+def _truncate(scaled_BxV, sampling: SamplingParams):
+  """Masks (to -inf) the logits outside the top-k / top-p set."""
+  if sampling.top_k > 0:
+    kth = jax.lax.top_k(scaled_BxV, sampling.top_k)[0][:, -1:]
+    scaled_BxV = jnp.where(scaled_BxV < kth, -jnp.inf, scaled_BxV)
+  if sampling.top_p < 1.0:
+    sorted_BxV = jnp.sort(scaled_BxV, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_BxV, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # keep a token if the mass above < p
+    kept = jnp.where(mass_before < sampling.top_p, sorted_BxV, jnp.inf)
+    threshold = jnp.min(kept, axis=-1, keepdims=True)
+    scaled_BxV = jnp.where(scaled_BxV < threshold, -jnp.inf, scaled_BxV)
+  return scaled_BxV
+
+
+def sample_token(logits_BxV, keys_B, step, sampling: SamplingParams):
+  """(token_B, logprob_B): one token per row and its log-prob under softmax(logits / T)."""
+  logits_BxV = logits_BxV.astype(jnp.promote_types(jnp.float32, logits_BxV.dtype))
+  if sampling.temperature == 0.0:
+    token_B = jnp.argmax(logits_BxV, axis=-1)
+    logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+  else:
+    scaled_BxV = logits_BxV / sampling.temperature
+    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, step)
+    token_B = jax.vmap(jax.random.categorical)(step_keys, _truncate(scaled_BxV, sampling))
+  logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
+  return token_B.astype(jnp.int32), logprob_B
+
+
+def _decode_step(model, params, keys_B, stop_ids, sampling, max_new, state: _State):
+  done_B = state.stopped_B | (state.lengths_B >= max_new)
+  token_B, logprob_B = sample_token(state.logits_BxV, keys_B, state.step, sampling)
+  token_B = jnp.where(done_B, 0, token_B)
+  logprob_B = jnp.where(done_B, 0.0, logprob_B)
+  tokens_BxT = state.tokens_BxT.at[:, state.step].set(token_B)
+  logprobs_BxT = state.logprobs_BxT.at[:, state.step].set(logprob_B)
+  stopped_B = state.stopped_B | (~done_B & jnp.isin(token_B, stop_ids))
+  logits_Bx1xV, cache = model.apply({'params': params}, token_B[:, None], cache=state.cache)
+  return _State(step=state.step + 1, logits_BxV=logits_Bx1xV[:, -1], tokens_BxT=tokens_BxT,
+                logprobs_BxT=logprobs_BxT, lengths_B=state.lengths_B + (~done_B),
+                stopped_B=stopped_B, cache=cache)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'max_new_tokens', 'sampling'))
+def generate_arrays(params, prompt_BxP, prompt_mask_BxP, seeds_B, stop_ids, *,
+                    config: ModelConfig, max_new_tokens: int, sampling: SamplingParams):
+  """Generates up to `max_new_tokens` per row from left-padded prompts.
+
+  Args:
+    params: model params (may be sharded).
+    prompt_BxP: int32 prompts, left padded; every row needs at least one real token.
+    prompt_mask_BxP: bool, True on real prompt tokens.
+    seeds_B: int seeds, one per row.
+    stop_ids: int32 (N,) stop token ids (may be empty; pad with -1).
+    config, max_new_tokens, sampling: static.
+
+  Returns:
+    completions_BxT int32 (0 after the end), logprobs_BxT float32 (float64 for a float64 model; 0 after the end),
+    lengths_B int32, stopped_B bool (True = finished on a stop token).
+  """
+  b, p = prompt_BxP.shape
+  model = Transformer(config)
+  # The barrier keeps XLA from constant-folding prefill attention over the all-zero cache.
+  cache = jax.lax.optimization_barrier(init_cache(config, b, p + max_new_tokens))
+  logits_Bx1xV, cache = model.apply({'params': params}, prompt_BxP, attn_mask_BxL=prompt_mask_BxP,
+                                    cache=cache, last_only=True)
+  keys_B = jax.vmap(jax.random.key)(seeds_B)
+  state = _State(step=jnp.zeros((), jnp.int32), logits_BxV=logits_Bx1xV[:, -1],
+                 tokens_BxT=jnp.zeros((b, max_new_tokens), jnp.int32),
+                 logprobs_BxT=jnp.zeros((b, max_new_tokens), logits_Bx1xV.dtype),
+                 lengths_B=jnp.zeros((b,), jnp.int32), stopped_B=jnp.zeros((b,), bool),
+                 cache=cache)
+
+  def cond(s):
+    return (s.step < max_new_tokens) & ~jnp.all(s.stopped_B | (s.lengths_B >= max_new_tokens))
+
+  def body(s):
+    return _decode_step(model, params, keys_B, stop_ids, sampling, max_new_tokens, s)
+
+  state = jax.lax.while_loop(cond, body, state)
+  return state.tokens_BxT, state.logprobs_BxT, state.lengths_B, state.stopped_B
+
+
+def _bucket(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << (n - 1).bit_length())
+
+
+def pad_prompts(prompt_ids: Sequence[Sequence[int]], batch: int, length: int, pad_id: int = 0):
+  """Left-pads prompts into (batch, length) arrays; extra rows hold a single pad token."""
+  tokens = np.full((batch, length), pad_id, np.int32)
+  mask = np.zeros((batch, length), bool)
+  mask[len(prompt_ids):, -1] = True
+  for i, ids in enumerate(prompt_ids):
+    if len(ids):
+      tokens[i, length - len(ids):] = ids
+      mask[i, length - len(ids):] = True
+  return tokens, mask
+
+
+def generate(params, config: ModelConfig, prompt_ids: Sequence[Sequence[int]],
+             max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+             stop_token_ids: Sequence[int] = (), seeds: Optional[Sequence[int]] = None,
+             bucket: bool = True) -> SampleOutput:
+  """Samples completions for token-id prompts (see `generate_arrays`)."""
+  if not prompt_ids or any(len(ids) == 0 for ids in prompt_ids):
+    raise ValueError('generate needs at least one prompt and every prompt needs a token')
+  n = len(prompt_ids)
+  seeds = list(range(n)) if seeds is None else list(seeds)
+  if len(seeds) != n:
+    raise ValueError(f'got {len(seeds)} seeds for {n} prompts')
+  longest = max(len(ids) for ids in prompt_ids)
+  batch, length = (_bucket(n), _bucket(longest, 8)) if bucket else (n, longest)
+  if length + max_new_tokens > config.max_position_embeddings:
+    length = longest
+  tokens, mask = pad_prompts(prompt_ids, batch, length, config.pad_token_id or 0)
+  seeds_B = np.zeros((batch,), np.uint32)
+  seeds_B[:n] = np.asarray(seeds, np.int64).astype(np.uint32)
+  stop_ids = np.asarray(list(stop_token_ids) or [-1], np.int32)
+  out = generate_arrays(params, tokens, mask, seeds_B, stop_ids, config=config,
+                        max_new_tokens=max_new_tokens,
+                        sampling=SamplingParams(temperature, top_p, top_k))
+  toks, logps, lens, stopped = jax.device_get(out)
+  return SampleOutput(
+      tokens=[toks[i, :lens[i]].tolist() for i in range(n)],
+      logprobs=[logps[i, :lens[i]].tolist() for i in range(n)],
+      finish_reasons=['stop' if stopped[i] else 'length' for i in range(n)])

@@ -1,0 +1,295 @@
+"""Decoder-only Llama / Qwen2 transformer (Flax Linen) whose projections are SketchDense.
+
+Shape key: B batch, L query length, S key length (cache slots), D hidden, H query heads,
+K kv heads, G = H // K, E head dim, F MLP hidden, V vocab, N layers.
+
+Layers run through `nn.scan` (params, projections and probes stacked on a leading N axis,
+logical axis 'layers'), with `jax.checkpoint` per `ModelConfig.remat_policy`. The KV cache is
+an explicit pytree (`init_cache`) scanned as xs/ys, so the module stays purely functional:
+
+    logits_BxLxV, cache = Transformer(config).apply({'params': params}, tokens_BxL, cache=cache)
+
+Masks: keys that are padding (`attn_mask_BxL` False), in the future, or in another segment
+(`segment_ids_BxL`) are never attended. Positions default to the count of real tokens before
+each token, so left padding gives the same logits as no padding.
+"""
+import functools
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax.models.config import ModelConfig
+from logra_jax.sketch.dense import PROBE, PROJECTION, SketchDense
+
+Cache = dict  # {'k', 'v': (N, B, S, K, E); 'mask': (B, S) bool; 'index': () int32 next slot}
+_NEG = -1e30
+
+
+def _acc(dtype):
+  return jnp.promote_types(jnp.float32, dtype)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
+  """An empty KV cache of `max_len` slots; every row writes at the same slot `index`."""
+  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+  dtype = dtype or config.jnp_dtype
+  return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype),
+          'mask': jnp.zeros((batch, max_len), bool), 'index': jnp.zeros((), jnp.int32)}
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+  """Inverse frequencies (E/2,), float64, with 'linear' or 'llama3' scaling applied."""
+  e = config.head_dim
+  inv = 1.0 / config.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e)
+  s = config.rope_scaling_dict
+  kind = s.get('rope_type', 'default')
+  if kind == 'linear':
+    inv = inv / s['factor']
+  elif kind == 'llama3':
+    factor, lo, hi = s['factor'], s['low_freq_factor'], s['high_freq_factor']
+    old_len = s['original_max_position_embeddings']
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > old_len / lo, inv / factor, inv)
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    inv = np.where(medium, smoothed, scaled)
+  return inv
+
+
+def rope_sin_cos(config: ModelConfig, positions_BxL):
+  """sin, cos of shape (B, L, E) in (at least) fp32, halves repeated as in HF Llama."""
+  dtype = _acc(config.jnp_dtype)
+  inv = jnp.asarray(rope_inv_freq(config), dtype)
+  angle = positions_BxL.astype(dtype)[..., None] * inv
+  angle = jnp.concatenate([angle, angle], axis=-1)
+  return jnp.sin(angle), jnp.cos(angle)
+
+
+def apply_rope(x_BxLxHxE, sin_BxLxE, cos_BxLxE):
+  x1, x2 = jnp.split(x_BxLxHxE, 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  sin, cos = sin_BxLxE[:, :, None], cos_BxLxE[:, :, None]
+  return (x_BxLxHxE * cos + rotated * sin).astype(x_BxLxHxE.dtype)
+
+
+def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_BxLxL, cached=None):
+  """Grouped-query softmax attention over the new keys and, if given, cached ones.
+
+  `cached` = (k_BxSxKxE, v_BxSxKxE, key_mask_BxS): keys written earlier, all in the past of
+  every new query, read in place (the cache is not copied). Fully masked rows give finite,
+  unused outputs.
+  """
+  b, l, h, e = q_BxLxHxE.shape
+  kv = k_BxLxKxE.shape[2]
+  q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv, h // kv, e) * jnp.asarray(e ** -0.5,
+                                                                      q_BxLxHxE.dtype)
+  scores = functools.partial(jnp.einsum, 'blkge,bske->bkgls', q_BxLxKxGxE,
+                             preferred_element_type=_acc(q_BxLxHxE.dtype))
+  s_BxKxGxLxL = jnp.where(mask_BxLxL[:, None, None], scores(k_BxLxKxE), _NEG)
+  if cached is None:
+    p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
+    o_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', p_BxKxGxLxL, v_BxLxKxE)
+    return o_BxLxKxGxE.reshape(b, l, h * e)
+  k_BxSxKxE, v_BxSxKxE, key_mask_BxS = cached
+  s_BxKxGxLxS = jnp.where(key_mask_BxS[:, None, None, None], scores(k_BxSxKxE), _NEG)
+  p = jax.nn.softmax(jnp.concatenate([s_BxKxGxLxS, s_BxKxGxLxL], axis=-1), axis=-1)
+  p_BxKxGxLxS, p_BxKxGxLxL = jnp.split(p.astype(v_BxLxKxE.dtype), [k_BxSxKxE.shape[1]], -1)
+  o_BxLxKxGxE = (jnp.einsum('bkgls,bske->blkge', p_BxKxGxLxS, v_BxSxKxE.astype(v_BxLxKxE.dtype))
+                 + jnp.einsum('bkgls,bske->blkge', p_BxKxGxLxL, v_BxLxKxE))
+  return o_BxLxKxGxE.reshape(b, l, h * e)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    scale = self.param('scale', nn.with_logical_partitioning(nn.initializers.ones_init(),
+                                                             ('embed',)),
+                       (x_BxLxD.shape[-1],), self.param_dtype)
+    x = x_BxLxD.astype(_acc(x_BxLxD.dtype))
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+    return (x * scale.astype(x.dtype)).astype(self.dtype)
+
+
+def _dense(config, sketch_mode, features, axes, name, use_bias=False):
+  return SketchDense(features, use_bias=use_bias, kernel_axes=axes, sketch_mode=sketch_mode,
+                     dtype=config.jnp_dtype, param_dtype=config.jnp_param_dtype, name=name)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+  sketch_mode: str = 'vjp'
+
+  @nn.compact
+  def __call__(self, x_BxLxD, sin, cos, mask_BxLxL, layer_cache, cache_mask_BxS):
+    c = self.config
+    b, l, _ = x_BxLxD.shape
+    dense = functools.partial(_dense, c, self.sketch_mode, use_bias=c.qkv_bias)
+    q = dense(c.num_heads * c.head_dim, ('embed', 'q_heads'), 'q_proj')(x_BxLxD)
+    k = dense(c.num_kv_heads * c.head_dim, ('embed', 'kv_heads'), 'k_proj')(x_BxLxD)
+    v = dense(c.num_kv_heads * c.head_dim, ('embed', 'kv_heads'), 'v_proj')(x_BxLxD)
+    q_BxLxHxE = apply_rope(q.reshape(b, l, c.num_heads, c.head_dim), sin, cos)
+    k_BxLxKxE = apply_rope(k.reshape(b, l, c.num_kv_heads, c.head_dim), sin, cos)
+    v_BxLxKxE = v.reshape(b, l, c.num_kv_heads, c.head_dim)
+    new_kv, cached = None, None
+    if layer_cache is not None:  # return only the new k/v; the caller writes them
+      new_kv = {'k': k_BxLxKxE, 'v': v_BxLxKxE}
+      cached = (layer_cache['k'], layer_cache['v'], cache_mask_BxS)
+    o_BxLxHE = attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_BxLxL, cached)
+    out = _dense(c, self.sketch_mode, c.hidden_size, ('q_heads', 'embed'), 'o_proj')(o_BxLxHE)
+    return out, new_kv
+
+
+class Mlp(nn.Module):
+  config: ModelConfig
+  sketch_mode: str = 'vjp'
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    c = self.config
+    dense = functools.partial(_dense, c, self.sketch_mode)
+    gate_BxLxF = dense(c.intermediate_size, ('embed', 'mlp'), 'gate_proj')(x_BxLxD)
+    up_BxLxF = dense(c.intermediate_size, ('embed', 'mlp'), 'up_proj')(x_BxLxD)
+    return dense(c.hidden_size, ('mlp', 'embed'), 'down_proj')(nn.silu(gate_BxLxF) * up_BxLxF)
+
+
+class Block(nn.Module):
+  """Pre-norm residual block; `(x, layer_cache)` -> `(x, new_layer_kv)` for nn.scan."""
+  config: ModelConfig
+  sketch_mode: str = 'vjp'
+
+  @nn.compact
+  def __call__(self, x_BxLxD, layer_cache, sin, cos, mask_BxLxL, cache_mask_BxS):
+    c = self.config
+    norm = functools.partial(RMSNorm, c.rms_norm_eps, c.jnp_dtype, c.jnp_param_dtype)
+    h = norm(name='attn_norm')(x_BxLxD)
+    a, new_cache = Attention(c, self.sketch_mode, name='attn')(
+        h, sin, cos, mask_BxLxL, layer_cache, cache_mask_BxS)
+    x_BxLxD = x_BxLxD + a
+    x_BxLxD = x_BxLxD + Mlp(c, self.sketch_mode, name='mlp')(norm(name='mlp_norm')(x_BxLxD))
+    return x_BxLxD, new_cache
+
+
+def _scanned_block(config: ModelConfig):
+  block = Block
+  if config.checkpoint_policy is not False:
+    block = nn.remat(Block, policy=config.checkpoint_policy, prevent_cse=False)
+  return nn.scan(block, variable_axes={'params': 0, PROJECTION: 0, PROBE: 0},
+                 split_rngs={'params': True},
+                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                 length=config.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
+
+
+class LMHead(nn.Module):
+  vocab_size: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxLxD):
+    kernel = self.param('kernel', nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ('embed', 'vocab')),
+        (x_BxLxD.shape[-1], self.vocab_size), self.param_dtype)
+    return jnp.einsum('bld,dv->blv', x_BxLxD, kernel.astype(self.dtype),
+                      preferred_element_type=_acc(self.dtype))
+
+
+def default_positions(attn_mask_BxL, segment_ids_BxL=None):
+  """Index among real tokens (left padding safe), restarting at each segment boundary."""
+  if segment_ids_BxL is not None:
+    idx = jnp.arange(segment_ids_BxL.shape[1])
+    start = jnp.concatenate([jnp.ones_like(segment_ids_BxL[:, :1], bool),
+                             segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
+  return jnp.maximum(jnp.cumsum(attn_mask_BxL, axis=1) - 1, 0)
+
+
+def _causal_mask(attn_mask_BxL, segment_ids_BxL=None):
+  l = attn_mask_BxL.shape[1]
+  mask_BxLxL = jnp.tril(jnp.ones((l, l), bool))[None] & attn_mask_BxL[:, None, :]
+  if segment_ids_BxL is not None:
+    mask_BxLxL &= segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+  return mask_BxLxL
+
+
+def _write_cache(cache: Cache, new_kv, attn_mask_BxL) -> Cache:
+  """Writes the L new keys/values and their mask at slot `index` (in place under jit)."""
+  index = cache['index']
+  zero = jnp.zeros_like(index)
+  write = lambda old, new, start: jax.lax.dynamic_update_slice(old, new.astype(old.dtype), start)
+  return {'k': write(cache['k'], new_kv['k'], (zero, zero, index, zero, zero)),
+          'v': write(cache['v'], new_kv['v'], (zero, zero, index, zero, zero)),
+          'mask': write(cache['mask'], attn_mask_BxL, (zero, index)),
+          'index': index + attn_mask_BxL.shape[1]}
+
+
+class Transformer(nn.Module):
+  """Decoder-only LM. Returns (float32 logits (B, L, V), new cache or None).
+
+  `last_only=True` computes the logits of the last position only (B, 1, V) (prefill).
+  """
+  config: ModelConfig
+  sketch_mode: str = 'vjp'
+
+  @nn.compact
+  def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
+               attn_mask_BxL=None, cache: Optional[Cache] = None, last_only: bool = False):
+    c = self.config
+    attn_mask_BxL = (jnp.ones(tokens_BxL.shape, bool) if attn_mask_BxL is None
+                     else attn_mask_BxL.astype(bool))
+    if cache is not None and segment_ids_BxL is not None:
+      raise ValueError('segment_ids_BxL cannot be combined with a KV cache')
+    if positions_BxL is None:
+      positions_BxL = default_positions(attn_mask_BxL, segment_ids_BxL)
+      if cache is not None:  # continue after the real tokens already in the cache
+        positions_BxL += cache['mask'].sum(axis=1, dtype=positions_BxL.dtype)[:, None]
+    mask_BxLxL = _causal_mask(attn_mask_BxL, segment_ids_BxL)
+    layer_caches = None if cache is None else {'k': cache['k'], 'v': cache['v']}
+    cache_mask_BxS = None if cache is None else cache['mask']
+    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype,
+                     param_dtype=c.jnp_param_dtype, name='embed',
+                     embedding_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(1.0), ('vocab', 'embed')))
+    x_BxLxD = embed(tokens_BxL)
+    sin, cos = rope_sin_cos(c, positions_BxL)
+    x_BxLxD, new_kv = _scanned_block(c)(c, self.sketch_mode, name='layers')(
+        x_BxLxD, layer_caches, sin, cos, mask_BxLxL, cache_mask_BxS)
+    x_BxLxD = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.jnp_param_dtype, name='final_norm')(x_BxLxD)
+    if last_only:
+      x_BxLxD = x_BxLxD[:, -1:]
+    if c.tie_embeddings:
+      logits = jnp.einsum('bld,vd->blv', x_BxLxD, embed.embedding.astype(c.jnp_dtype),
+                          preferred_element_type=_acc(c.jnp_dtype))
+    else:
+      logits = LMHead(c.vocab_size, c.jnp_dtype, c.jnp_param_dtype, name='lm_head')(x_BxLxD)
+    new_cache = None if cache is None else _write_cache(cache, new_kv, attn_mask_BxL)
+    return logits.astype(_acc(c.jnp_dtype)), new_cache
+
+
+def abstract_variables(config: ModelConfig):
+  """Shapes of the boxed (logically partitioned) variables, without allocating."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return jax.eval_shape(lambda r: Transformer(config).init(r, tokens), jax.random.key(0))
+
+
+def logical_axes(config: ModelConfig):
+  """The params tree of PartitionSpecs of logical axis names ('layers', 'embed', ...)."""
+  return nn.get_partition_spec(abstract_variables(config))['params']
+
+
+def init_params(config: ModelConfig, rng) -> dict:
+  """Randomly initialised params (plain arrays, unboxed)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  variables = jax.jit(lambda r: Transformer(config).init(r, tokens))(rng)
+  return nn.unbox(variables['params'])
+
+
+def param_count(params) -> int:
+  return int(sum(np.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params))))

