@@ -137,8 +137,9 @@ SKETCH_OPTIMIZERS = {'row_adam': scale_by_row_adam, 'sgd': scale_by_sketch_sgd}
 
 def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
           b2: float = 0.95, eps: float = 1e-8,
-          update_ratio: Optional[float] = None) -> optax.GradientTransformationExtraArgs:
-  """The LoGRA sketch optimizer: (RowAdam | SGD) [→ relative step] → −learning_rate.
+          update_ratio: Optional[float] = None,
+          momentum: float = 0.0) -> optax.GradientTransformationExtraArgs:
+  """The LoGRA sketch optimizer: [momentum →] (RowAdam | SGD) [→ relative step] → −lr.
 
   Args:
     learning_rate: a float or an optax schedule.
@@ -146,6 +147,8 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
     b2, eps: RowAdam's hyper-parameters.
     update_ratio: if set, the authors' relative global step (needs ``projections=`` and the
       sketched kernels as ``params`` in ``update``).
+    momentum: if > 0, a debiased EMA of the sketches first (a first moment in sketch space).
+      Only meaningful with FIXED projections: a refreshed A changes the sketch's basis.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` over the sketch tree; its output U is added
@@ -159,7 +162,8 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
   if optimizer not in SKETCH_OPTIMIZERS:
     raise ValueError(f'optimizer must be one of {sorted(SKETCH_OPTIMIZERS)}, got {optimizer!r}')
   base = scale_by_row_adam(b2, eps) if optimizer == 'row_adam' else scale_by_sketch_sgd()
-  parts = [base]
+  parts = [optax.with_extra_args_support(optax.ema(momentum, debias=True))] if momentum else []
+  parts.append(base)
   if update_ratio is not None:
     parts.append(scale_by_relative_step(update_ratio))
   parts.append(optax.scale_by_learning_rate(learning_rate))

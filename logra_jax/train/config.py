@@ -1,0 +1,237 @@
+"""The one config schema: frozen dataclasses, turned into an ml_collections ConfigDict.
+
+`configs/*.py` start from `default_config()` (every key declared, typed, locked) and override
+values; `from_config_dict` converts back at the boundary and validates: an unknown key is an
+error that names it (with the closest valid key), a value of the wrong type or out of range
+is an error that names the key.
+"""
+import dataclasses
+import difflib
+import json
+import typing
+from typing import Any
+
+from ml_collections import config_dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  preset: str = 'tiny'      # a preset name (random init), unless `path` is set
+  path: str = ''            # an HF checkpoint directory or a .gguf file
+  dtype: str = 'float32'    # compute dtype
+  remat_policy: str = 'none'
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+  source: str = 'tiny'      # 'tiny' | 'reasoning_gym' | 'file'
+  name: str = ''            # reasoning-gym dataset name
+  options: str = '{}'       # reasoning-gym options, JSON
+  path: str = ''            # JSONL/Parquet with `problem` and `answer` (source='file')
+  eval_path: str = ''       # held-out file (default: a split of `path`)
+  train_size: int = 2000
+  eval_size: int = 128
+  prompts_per_step: int = 32
+  samples_per_prompt: int = 8
+  chat_template: bool = True
+  system_prompt: str = ''
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+  engine: str = 'jax'       # the embedded JAX sampler
+  max_new_tokens: int = 8
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSection:
+  verifier: str = 'exact'   # a name in logra_jax.rl.rewards
+  correct: float = 1.0
+  incorrect: float = -0.01
+  timeout_s: float = 10.0
+  workers: int = 2          # scoring processes (0: in-process)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSection:
+  advantage: str = 'grpo'   # 'running_baseline' | 'grpo' | 'rloo' | 'reinforce_pp'
+  baseline_ema: float = 0.1
+  loss: str = 'reinforce_tis'  # | 'ppo_clip'
+  tis_cap: float = 2.0
+  clip_eps: float = 0.2
+  entropy_coef: float = 0.0
+  kl_coef: float = 0.0      # KL-to-reference penalty (0: off, no reference forward)
+  aggregation: str = 'token'  # | 'sequence'
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+  name: str = 'logra'       # 'logra' | 'adam' | 'lora'
+  learning_rate: float = 1e-2
+  lr_schedule: str = 'constant'  # | 'cosine' (to 0.1x over total_steps)
+  warmup_steps: int = 0
+  micro_batches: int = 1
+  max_grad_norm: float = 0.0  # adam/lora global-norm clipping (0: off)
+  # LoGRA
+  sketch_optimizer: str = 'row_adam'  # | 'sgd'
+  rank: int = 16
+  rank_rules: str = ''      # per-module ranks: 'regex=rank,regex=rank' (first match wins)
+  rank_delta: int = 0       # dynamic rank r_t = rank + ceil(rank_delta·tanh(t/rank_tau))
+  rank_tau: float = 1000.0
+  projection: str = 'rademacher'  # | 'gaussian'
+  refresh: bool = True      # redraw A every step (False: fixed A)
+  momentum: float = 0.0     # sketch-space first moment (needs refresh=False, rank_delta=0)
+  b2: float = 0.95
+  eps: float = 1e-8
+  update_ratio: float = 0.0  # the authors' relative global step (0: off)
+  sparse_mask: float = 0.0  # drop this fraction of output units per step (unbiased)
+  kl_control: bool = True   # α from the predicted KL (else α = 1)
+  kl_probe: str = 'jvp'     # | 'fd' (finite difference)
+  kl_budget_init: float = 2e-4
+  kl_budget_final: float = 2e-5
+  kl_budget_steps: int = 300
+  alpha_max: float = 3.0
+  kl_sequences: int = 8     # sequences of the batch used by the KL probe
+  mismatch_ema: float = 0.3
+  # Dense Adam / LoRA baselines
+  b1: float = 0.9
+  adam_b2: float = 0.95
+  weight_decay: float = 0.0
+  lora_rank: int = 16
+  lora_alpha: float = 32.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSection:
+  steps: int = 0            # supervised steps on the task before RL (0: none)
+  learning_rate: float = 3e-3
+  batch_size: int = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSection:
+  k: int = 4                # samples per held-out problem (pass@1 and pass@k)
+  temperature: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  model: ModelSection = ModelSection()
+  data: DataSection = DataSection()
+  rollout: RolloutSection = RolloutSection()
+  reward: RewardSection = RewardSection()
+  rl: RLSection = RLSection()
+  optim: OptimSection = OptimSection()
+  warm_start: WarmStartSection = WarmStartSection()
+  eval: EvalSection = EvalSection()
+  total_steps: int = 100
+  eval_every: int = 20
+  checkpoint_every: int = 50
+  log_every: int = 1
+  seed: int = 0
+
+  def __post_init__(self):
+    _check(self)
+
+
+CHOICES = {
+    'data.source': ('tiny', 'reasoning_gym', 'file'),
+    'rollout.engine': ('jax',),
+    'rl.advantage': ('running_baseline', 'grpo', 'rloo', 'reinforce_pp'),
+    'rl.loss': ('reinforce_tis', 'ppo_clip'),
+    'rl.aggregation': ('token', 'sequence'),
+    'optim.name': ('logra', 'adam', 'lora'),
+    'optim.lr_schedule': ('constant', 'cosine'),
+    'optim.sketch_optimizer': ('row_adam', 'sgd'),
+    'optim.projection': ('rademacher', 'gaussian'),
+    'optim.kl_probe': ('jvp', 'fd'),
+    'model.dtype': ('float32', 'bfloat16', 'float64'),
+}
+POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',
+            'optim.micro_batches', 'optim.rank', 'optim.kl_sequences', 'optim.lora_rank',
+            'eval.k', 'total_steps', 'eval_every', 'checkpoint_every', 'log_every',
+            'optim.learning_rate', 'optim.alpha_max')
+
+
+def _get(cfg, key):
+  for part in key.split('.'):
+    cfg = getattr(cfg, part)
+  return cfg
+
+
+def _check(cfg: TrainConfig):
+  for key, allowed in CHOICES.items():
+    if _get(cfg, key) not in allowed:
+      raise ValueError(f'config key {key}={_get(cfg, key)!r} must be one of {allowed}')
+  for key in POSITIVE:
+    if not _get(cfg, key) > 0:
+      raise ValueError(f'config key {key} must be > 0, got {_get(cfg, key)!r}')
+  if cfg.optim.momentum and (cfg.optim.refresh or cfg.optim.rank_delta):
+    raise ValueError('config key optim.momentum needs fixed projections: set '
+                     'optim.refresh=False and optim.rank_delta=0')
+  if cfg.reward.workers < 0:
+    raise ValueError(f'config key reward.workers must be >= 0 (0: score in-process), '
+                     f'got {cfg.reward.workers}')
+  if not 0 <= cfg.optim.sparse_mask < 1:
+    raise ValueError(f'config key optim.sparse_mask must be in [0, 1), got {cfg.optim.sparse_mask}')
+  try:
+    json.loads(cfg.data.options)
+  except json.JSONDecodeError as e:
+    raise ValueError(f'config key data.options is not valid JSON: {e}') from None
+  if cfg.data.source == 'reasoning_gym' and not cfg.data.name:
+    raise ValueError('config key data.name must name a reasoning-gym dataset')
+  if cfg.data.source == 'file' and not cfg.data.path:
+    raise ValueError('config key data.path must point at a JSONL/Parquet file')
+  if cfg.data.prompts_per_step * cfg.data.samples_per_prompt % cfg.optim.micro_batches:
+    raise ValueError('config key optim.micro_batches must divide '
+                     'data.prompts_per_step * data.samples_per_prompt')
+
+
+def default_config() -> config_dict.ConfigDict:
+  """Every key with its default, typed and locked (a typo cannot add a key)."""
+  cfg = config_dict.ConfigDict(dataclasses.asdict(TrainConfig()))
+  cfg.lock()
+  return cfg
+
+
+def _convert(cls, values: Any, prefix: str):
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  values = dict(values)
+  for key in values:
+    if key not in fields:
+      close = difflib.get_close_matches(key, fields, n=1)
+      hint = f"; did you mean '{prefix}{close[0]}'?" if close else ''
+      raise ValueError(f"unknown config key '{prefix}{key}'{hint}")
+  kwargs = {}
+  hints = typing.get_type_hints(cls)
+  for name, value in values.items():
+    typ = hints[name]
+    if dataclasses.is_dataclass(typ):
+      kwargs[name] = _convert(typ, value, f'{prefix}{name}.')
+    elif typ is float and isinstance(value, int) and not isinstance(value, bool):
+      kwargs[name] = float(value)
+    elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+      raise ValueError(f"config key '{prefix}{name}' must be {typ.__name__}, got {value!r}")
+    else:
+      kwargs[name] = value
+  return cls(**kwargs)
+
+
+def from_config_dict(cfg) -> TrainConfig:
+  """Validates a ConfigDict (or a plain dict) and returns the frozen TrainConfig."""
+  values = cfg.to_dict() if isinstance(cfg, config_dict.ConfigDict) else cfg
+  return _convert(TrainConfig, values, '')
+
+
+def parse_rank_rules(text: str):
+  """'attn=64,mlp=128' -> (('attn', 64), ('mlp', 128))."""
+  rules = []
+  for item in filter(None, (s.strip() for s in text.split(','))):
+    pattern, _, rank = item.rpartition('=')
+    if not pattern or not rank.isdigit():
+      raise ValueError(f"config key optim.rank_rules: expected 'regex=rank', got {item!r}")
+    rules.append((pattern, int(rank)))
+  return tuple(rules)

@@ -1,0 +1,169 @@
+"""The RL loop: prompts → rollouts → rewards → advantages → update → metrics, checkpoints.
+
+Step t (1-based) samples from the policy after t−1 updates; step 0 logs the held-out
+evaluation of the starting policy. Everything that decides step t's numbers — params,
+optimizer state, data-iterator state, advantage baseline, mismatch EMA, and the seeds (derived
+from (seed, t)) — is in the checkpoint, so a resumed run repeats an uninterrupted one exactly.
+"""
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from logra_jax import sketch
+from logra_jax.rl.advantages import get_advantage_fn
+from logra_jax.rl.rewards import RewardScorer
+from logra_jax.rl.types import GenerationRequest, SamplingParams
+from logra_jax.train import tasks
+from logra_jax.train.checkpoint import Checkpointer
+from logra_jax.train.config import TrainConfig
+from logra_jax.train.methods import get_method
+from logra_jax.train.metrics import MetricWriter
+from logra_jax.train.rollout import JaxGenerator, assemble_batch
+
+TIMING_KEYS = ('step_time_s', 'tokens_per_s', 'generate_s', 'update_s')
+
+
+def _seed(cfg, t, salt):
+  return int(np.random.SeedSequence([cfg.seed, t, salt]).generate_state(1)[0])
+
+
+def _requests(task, records, cfg, t, n, temperature, salt=0):
+  params = lambda i: SamplingParams(
+      temperature=temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+      max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=task.stop_ids, n=n,
+      seed=_seed(cfg, t, salt * 1_000_000 + i))
+  return [GenerationRequest(task.prompt_ids(r), params(i), request_id=str(i))
+          for i, r in enumerate(records)]
+
+
+def _score(task, scorer, results, records, n):
+  texts = [task.decode(r.completion_token_ids) for r in results]
+  refs = [task.reference(records[i // n]) for i in range(len(results))]
+  return scorer.score(texts, refs)
+
+
+def evaluate(task, generator, scorer, cfg: TrainConfig, t: int) -> dict:
+  """pass@1 (mean correctness of k samples per held-out problem) and pass@k."""
+  k = cfg.eval.k
+  results = generator.generate(_requests(task, task.eval_records, cfg, t, k,
+                                         cfg.eval.temperature, salt=1))
+  correct = _score(task, scorer, results, task.eval_records, k).correct.reshape(-1, k)
+  return {'eval_accuracy': correct.mean(), 'eval_pass_at_k': correct.any(1).mean()}
+
+
+def rollout_metrics(results, scores, max_new_tokens) -> dict:
+  lengths = np.array([len(r.completion_token_ids) for r in results])
+  return {'reward_mean': scores.rewards.mean(), 'accuracy': scores.correct.mean(),
+          'response_length': lengths.mean(),
+          'truncation_rate': np.mean([r.finish_reason == 'length' for r in results]),
+          'reward_timeouts': scores.timed_out}
+
+
+class Trainer:
+  """Owns the run: task, model, method, generator, scorer, checkpoints, metric writer."""
+
+  def __init__(self, cfg: TrainConfig, workdir: str, log=print):
+    self.cfg, self.workdir, self.log = cfg, workdir, log
+    self.task = tasks.build_task(cfg)
+    self.model, self.model_config, params = tasks.build_model(cfg, self.task)
+    self.method = get_method(cfg, self.model)
+    self.estimator = get_advantage_fn(cfg.rl.advantage, **(
+        {'ema': cfg.rl.baseline_ema} if cfg.rl.advantage == 'running_baseline' else {}))
+    self.budget = sketch.kl_budget_schedule(cfg.optim.kl_budget_init, cfg.optim.kl_budget_final,
+                                            cfg.optim.kl_budget_steps)
+    self.ckpt = Checkpointer(workdir)
+    self.scorer = RewardScorer(cfg.reward.verifier, correct=cfg.reward.correct,
+                               incorrect=cfg.reward.incorrect, timeout_s=cfg.reward.timeout_s,
+                               num_workers=cfg.reward.workers)
+    self.step, resumed = self._restore_or_init(params)
+    self.writer = MetricWriter(workdir, resume_step=self.step if resumed else -1)
+    self.generator = JaxGenerator(self.model_config, self.method.policy_params(self.state),
+                                  version=self.step, pad_id=self.task.pad_id)
+    self.resumed = resumed
+
+  def _restore_or_init(self, params):
+    latest = self.ckpt.latest_step()
+    if latest is None:
+      if self.cfg.warm_start.steps:
+        params = tasks.warm_start(self.cfg, self.task, self.model, params, self.log)
+      self.state = self.method.init(params)
+      self.adv_state, self.mismatch = self.estimator.init(), 0.0
+      return 0, False
+    self.state = self.method.init(params)
+    saved = {'method': self.state, 'adv': self.estimator.init()}
+    restored, meta = self.ckpt.restore(latest, saved)
+    self.state, self.adv_state = restored['method'], restored['adv']
+    self.mismatch = meta['mismatch_ema']
+    self.task.train_iter.set_state(meta['data'])
+    self.log(f'resumed from step {latest} in {self.ckpt.directory}')
+    return latest, True
+
+  def save(self):
+    meta = {'step': self.step, 'mismatch_ema': self.mismatch, 'seed': self.cfg.seed,
+            'data': self.task.train_iter.get_state()}
+    self.ckpt.save(self.step, {'method': self.state, 'adv': self.adv_state}, meta)
+
+  def train_step(self) -> dict:
+    cfg, t = self.cfg, self.step + 1
+    start = time.perf_counter()
+    records = next(self.task.train_iter)
+    n = cfg.data.samples_per_prompt
+    results = self.generator.generate(_requests(self.task, records, cfg, t, n,
+                                                cfg.rollout.temperature))
+    generated = time.perf_counter()
+    scores = _score(self.task, self.scorer, results, records, n)
+    adv, self.adv_state = self.estimator.update(np.asarray(scores.rewards, np.float32),
+                                                self.adv_state, group_size=n)
+    batch, p = assemble_batch(results, adv, cfg.rollout.max_new_tokens, self.task.pad_id,
+                              self.task.prompt_len)
+    budget = float(sketch.effective_budget(self.budget(t - 1), self.mismatch))
+    self.state, metrics = self.method.step(self.state, batch, p, t, budget)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    ema = cfg.optim.mismatch_ema
+    self.mismatch = (1 - ema) * self.mismatch + ema * metrics['mismatch']
+    self.step = t
+    self.generator.update_weights(self.method.policy_params(self.state), t)
+    end = time.perf_counter()
+    tokens = float(batch['target_mask'].sum() + batch['mask'][:, :p].sum())
+    metrics.update(rollout_metrics(results, scores, cfg.rollout.max_new_tokens),
+                   step_time_s=end - start, generate_s=generated - start,
+                   update_s=end - generated, tokens_per_s=tokens / (end - start),
+                   weight_version=t)
+    metrics.setdefault('predicted_kl', float('nan'))
+    metrics.setdefault('alpha', float('nan'))
+    metrics.setdefault('kl_budget', float('nan'))
+    return metrics
+
+  def run(self, progress: bool = True):
+    cfg = self.cfg
+    if self.step == 0:
+      self.writer.write(0, evaluate(self.task, self.generator, self.scorer, cfg, 0))
+    bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not progress, desc='rl')
+    while self.step < cfg.total_steps:
+      metrics = self.train_step()
+      t = self.step
+      if t % cfg.eval_every == 0 or t == cfg.total_steps:
+        metrics.update(evaluate(self.task, self.generator, self.scorer, cfg, t))
+      self.writer.write(t, metrics)
+      if t % cfg.checkpoint_every == 0 or t == cfg.total_steps:
+        self.save()
+      bar.update(1)
+      bar.set_postfix(acc=f"{metrics['accuracy']:.2f}",
+                      eval=f"{metrics.get('eval_accuracy', float('nan')):.2f}")
+    bar.close()
+
+  def close(self):
+    self.writer.close()
+    self.scorer.close()
+    self.ckpt.close()
+
+
+def train(cfg: TrainConfig, workdir: str, progress: bool = True, log=print):
+  trainer = Trainer(cfg, workdir, log)
+  try:
+    trainer.run(progress)
+  finally:
+    trainer.close()
+  return trainer

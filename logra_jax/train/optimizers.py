@@ -1,0 +1,73 @@
+"""Optimizer builders: LoGRA (sketch tree), dense AdamW, LoRA adapters — from the config."""
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from logra_jax import sketch
+from logra_jax.train.config import OptimSection, parse_rank_rules
+
+
+def learning_rate(o: OptimSection, total_steps: int) -> optax.Schedule:
+  """Constant, or linear warm-up then cosine to 0.1× over the run."""
+  if o.lr_schedule == 'constant':
+    main = optax.constant_schedule(o.learning_rate)
+  else:
+    main = optax.cosine_decay_schedule(o.learning_rate, max(1, total_steps - o.warmup_steps),
+                                       alpha=0.1)
+  if not o.warmup_steps:
+    return main
+  warm = optax.linear_schedule(o.learning_rate / o.warmup_steps, o.learning_rate,
+                               o.warmup_steps)
+  return optax.join_schedules([warm, main], [o.warmup_steps])
+
+
+def logra_optimizer(o: OptimSection, total_steps: int):
+  return sketch.logra(learning_rate(o, total_steps), optimizer=o.sketch_optimizer, b2=o.b2,
+                      eps=o.eps, update_ratio=o.update_ratio or None,
+                      momentum=o.momentum)
+
+
+def adam_optimizer(o: OptimSection, total_steps: int):
+  parts = [optax.clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm else []
+  parts.append(optax.adamw(learning_rate(o, total_steps), b1=o.b1, b2=o.adam_b2,
+                           weight_decay=o.weight_decay))
+  return optax.chain(*parts)
+
+
+def rank_rules(o: OptimSection, step: int) -> sketch.RankRules:
+  """Per-module ranks at ``step`` (the dynamic schedule scales them with r_t / r_0)."""
+  rules = sketch.RankRules(parse_rank_rules(o.rank_rules), default=o.rank)
+  if not o.rank_delta:
+    return rules
+  return rules.scaled(sketch.dynamic_rank(step, o.rank, o.rank_delta, o.rank_tau), o.rank)
+
+
+def projections_at(o: OptimSection, params, seed: int, step: int):
+  """A for every sketched kernel at ``step`` (step 0 always when projections are fixed)."""
+  return sketch.make_projections(params, seed, step if o.refresh else 0,
+                                 rank_rules(o, step), o.projection)
+
+
+def init_lora(params, rank: int, key):
+  """Adapters a (…, K, r) ~ N(0, 1/K) and b (…, r, D) = 0 on every sketch target kernel."""
+  flat = traverse_util.flatten_dict(params)
+  out = {}
+  paths = sketch.target_paths(params)
+  for path, k in zip(paths, jax.random.split(key, len(paths))):
+    w = flat[path]
+    *lead, d_in, d_out = w.shape
+    r = min(rank, d_in, d_out)
+    out[path] = {'a': jax.random.normal(k, (*lead, d_in, r), w.dtype) / math.sqrt(d_in),
+                 'b': jnp.zeros((*lead, r, d_out), w.dtype)}
+  return traverse_util.unflatten_dict(out)
+
+
+def lora_merge(params, lora, scale: float):
+  """params with kernel + scale · a @ b on every adapted kernel."""
+  flat = traverse_util.flatten_dict(params)
+  for path, ab in traverse_util.flatten_dict(lora, is_leaf=lambda k, v: 'a' in v).items():
+    flat[path] = flat[path] + scale * jnp.einsum('...kr,...rd->...kd', ab['a'], ab['b'])
+  return traverse_util.unflatten_dict(flat)

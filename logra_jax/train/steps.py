@@ -1,0 +1,170 @@
+"""One jitted function per phase: the LoGRA step and the dense-Adam / LoRA baseline steps.
+
+Shape key: N sequences in the step's batch, M micro-batches, P prompt length (left padded),
+T completion length, L = P + T, V vocabulary.
+
+A batch is a dict of arrays: tokens_NxL, mask_NxL (real tokens), targets_NxT (the sampled
+completion), target_mask_NxT, behaviour_logp_NxT, advantages_N. Micro-batch losses are
+weighted so that their sum equals the loss of the whole batch; the sketches (or gradients)
+are summed over micro-batches in a `lax.scan`, in fp32.
+"""
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from logra_jax import sketch
+from logra_jax.rl import losses as rl_losses
+
+METRIC_KEYS = ('loss', 'predicted_kl', 'realized_kl', 'alpha', 'kl_budget', 'kl_coefficient',
+               'mismatch', 'sketch_norm', 'skipped', 'entropy', 'is_capped')
+
+
+def completion_logits(model, variables, batch, prompt_len):
+  """Logits predicting the T completion tokens: positions P−1 … P+T−2."""
+  t = batch['targets'].shape[1]
+  logits, _ = model.apply(variables, batch['tokens'], attn_mask_BxL=batch['mask'])
+  return logits[:, prompt_len - 1:prompt_len - 1 + t]
+
+
+def _mismatch(logits, batch, temperature):
+  """k3 estimate of KL(behaviour ‖ trainer) per token: the generator/trainer mismatch."""
+  logp = rl_losses.token_logprobs(logits, batch['targets'], temperature)
+  r = jax.lax.stop_gradient(logp) - batch['behaviour_logp']
+  return rl_losses.aggregate(jnp.exp(r) - 1.0 - r, batch['target_mask'])
+
+
+def _loss_fn(model, loss_cfg, prompt_len):
+  def loss(variables, mb, weight):
+    logits = completion_logits(model, variables, mb, prompt_len)
+    value, metrics = rl_losses.rl_loss(loss_cfg, logits, mb['targets'], mb['behaviour_logp'],
+                                       mb['advantages'], mb['target_mask'])
+    metrics = dict(metrics, mismatch=_mismatch(logits, mb, loss_cfg.temperature))
+    entropy = rl_losses.token_entropy(jax.lax.stop_gradient(logits), loss_cfg.temperature)
+    metrics['entropy'] = rl_losses.aggregate(entropy, mb['target_mask'])
+    return value * weight, metrics
+  return loss
+
+
+def split_micro_batches(batch, m: int, aggregation: str):
+  """(M, N/M, …) micro-batches and their loss weights (token or sequence share)."""
+  mbs = jax.tree.map(lambda x: x.reshape((m, -1) + x.shape[1:]), batch)
+  if aggregation == 'token':
+    tokens = jnp.sum(mbs['target_mask'], axis=(1, 2))
+    weights = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+  else:
+    weights = jnp.full((m,), 1.0 / m)
+  return mbs, weights
+
+
+def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str):
+  """Σ over micro-batches of grad_fn(mb, weight) -> ((loss, metrics), grads), in a scan."""
+  mbs, weights = split_micro_batches(batch, m, aggregation)
+
+  def body(acc, xs):
+    (loss, metrics), g = grad_fn(*xs)
+    acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
+    return acc, (loss, jax.tree.map(lambda v: v * xs[1], metrics))
+
+  total, (losses, metrics) = jax.lax.scan(body, zeros, (mbs, weights))
+  metrics = jax.tree.map(jnp.sum, metrics)
+  metrics['loss'] = jnp.sum(losses)
+  return total, metrics
+
+
+def _all_finite(tree):
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _kl_subset(batch, n):
+  return jax.tree.map(lambda x: x[:n], batch)
+
+
+class StepConfig(NamedTuple):
+  """Static settings of a step function (hashable)."""
+  prompt_len: int
+  micro_batches: int
+  kl_sequences: int
+  kl_control: bool
+  kl_probe: str
+  alpha_max: float
+  sparse_mask: float
+
+
+def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs, sc: StepConfig):
+  """The LoGRA step: sketches → optax → α from predicted KL → kernel += α·AᵀU (in place).
+
+  Returns a jitted ``step(params, opt_state, batch, projections, budget, key)`` →
+  ``(params, opt_state, metrics)``; params and opt_state are donated. A non-finite sketch,
+  loss or step size skips the update (weights and optimizer state untouched, `skipped` = 1).
+  """
+  linear = model.clone(sketch_mode='linear')
+  temp = loss_cfg.temperature
+  loss = _loss_fn(model, loss_cfg, sc.prompt_len)
+
+  def step(params, opt_state, batch, projections, budget, key):
+    grad_fn = lambda mb, w: sketch.sketch_value_and_grad(loss, has_aux=True)(
+        params, projections, mb, w)
+    probes = sketch.zero_probes(params, projections)
+    s, metrics = accumulate(grad_fn, probes, batch, sc.micro_batches, loss_cfg.aggregation)
+    if sc.sparse_mask:
+      s = sketch.sparse_mask_tree(s, key, sc.sparse_mask)
+    kernels = sketch.kernels_of(params, projections)
+    u, new_opt_state = opt.update(s, opt_state, kernels, projections=projections)
+    kl_batch = _kl_subset(batch, sc.kl_sequences)
+    kl_mask = kl_batch['target_mask']
+    logits_fn = lambda p: completion_logits(
+        linear, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len)
+    if sc.kl_probe == 'jvp':
+      base_logits, tangents = sketch.logits_and_tangents(logits_fn, probes, u)
+      q = sketch.kl_coefficient(base_logits, tangents, temp, kl_mask)
+    else:
+      base_logits = logits_fn(probes)
+      q = sketch.finite_difference_kl_coefficient(logits_fn, probes, u, 1e-3, temp, kl_mask)
+    alpha = sketch.step_scale(q, budget, sc.alpha_max) if sc.kl_control else jnp.ones_like(q)
+    ok = _all_finite(s) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
+    new_params = jax.lax.cond(
+        ok, lambda: sketch.apply_sketch_updates(params, u, projections, alpha), lambda: params)
+    new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
+    new_logits = completion_logits(model, {'params': new_params}, kl_batch, sc.prompt_len)
+    metrics.update(
+        predicted_kl=alpha**2 * q, kl_coefficient=q, alpha=alpha, kl_budget=budget,
+        realized_kl=sketch.mean_kl(base_logits, new_logits, temp, kl_mask),
+        sketch_norm=optax.global_norm(s), skipped=1.0 - ok.astype(jnp.float32))
+    return new_params, new_opt_state, metrics
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: StepConfig,
+                    trainable: Callable = None, merge: Callable = None):
+  """Dense-gradient step (AdamW on all params, or LoRA on adapters through ``merge``).
+
+  ``step(params, train, opt_state, batch)`` → ``(params, train, opt_state, metrics)``: for
+  dense Adam ``train`` is the params themselves (pass params twice; the first is ignored);
+  for LoRA ``train`` are the adapters and ``merge(params, train)`` the merged weights.
+  """
+  temp = loss_cfg.temperature
+  loss = _loss_fn(model, loss_cfg, sc.prompt_len)
+  merge = merge or (lambda params, train: train)
+
+  def step(params, train, opt_state, batch):
+    grad_fn = lambda mb, w: jax.value_and_grad(
+        lambda t: loss({'params': merge(params, t)}, mb, w), has_aux=True)(train)
+    zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(jnp.float32, x.dtype)),
+                         train)
+    g, metrics = accumulate(grad_fn, zeros, batch, sc.micro_batches, loss_cfg.aggregation)
+    updates, new_opt_state = opt.update(g, opt_state, train)
+    ok = _all_finite(g) & jnp.isfinite(metrics['loss'])
+    new_train = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), train, updates)
+    new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
+    kl_batch = _kl_subset(batch, sc.kl_sequences)
+    old = completion_logits(model, {'params': merge(params, train)}, kl_batch, sc.prompt_len)
+    new = completion_logits(model, {'params': merge(params, new_train)}, kl_batch, sc.prompt_len)
+    metrics.update(realized_kl=sketch.mean_kl(old, new, temp, kl_batch['target_mask']),
+                   sketch_norm=optax.global_norm(g), skipped=1.0 - ok.astype(jnp.float32))
+    return new_train, new_opt_state, metrics
+
+  jitted = jax.jit(step, donate_argnums=(1, 2))
+  return jitted

@@ -1,0 +1,138 @@
+"""From the config to the run's pieces: the prompt task (tokenised, grain-batched) and the model."""
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import numpy as np
+
+from logra_jax import data
+from logra_jax.models.presets import get_preset
+from logra_jax.models.transformer import Transformer, init_params
+from logra_jax.train import warm_start as sft
+from logra_jax.train.config import TrainConfig
+
+
+@dataclasses.dataclass
+class Task:
+  """Tokenised prompt records, the training iterator and the held-out split."""
+  tokenizer: Any
+  train_records: list
+  eval_records: list
+  train_iter: Any           # grain DatasetIterator of lists of records (get_state/set_state)
+  pad_id: int
+  stop_ids: tuple
+  prompt_len: int           # every prompt fits: one compiled step for the whole run
+
+  def prompt_ids(self, record):
+    return record['prompt_ids']
+
+  def reference(self, record):
+    return record['reference']
+
+  def decode(self, ids):
+    if isinstance(self.tokenizer, data.CharTokenizer):
+      return self.tokenizer.decode(ids)
+    return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class _JsonState:
+  """A grain iterator whose state is a JSON string (what the checkpoint's meta stores)."""
+
+  def __init__(self, it):
+    self.it = it
+
+  def __next__(self):
+    return next(self.it)
+
+  def get_state(self):
+    return data.state_to_json(self.it)
+
+  def set_state(self, state):
+    data.restore_from_json(self.it, state)
+
+
+def _splits(cfg: TrainConfig):
+  d = cfg.data
+  if d.source == 'tiny':
+    train, held = data.get_source('tiny_addition', seed=cfg.seed)
+  elif d.source == 'reasoning_gym':
+    train, held = data.get_source('reasoning_gym', dataset=d.name, size=d.train_size,
+                                  seed=cfg.seed, heldout_size=d.eval_size,
+                                  **json.loads(d.options))
+  else:
+    train, held = data.get_source('file', path=d.path, heldout_path=d.eval_path or None,
+                                  seed=cfg.seed)
+  return train, held[:d.eval_size]
+
+
+def _tokenize(records, tokenizer, cfg: TrainConfig):
+  if isinstance(tokenizer, data.CharTokenizer):
+    return [dict(r, prompt_ids=tokenizer.encode(r['question'], add_bos=True)) for r in records]
+  fmt = {'system_prompt': cfg.data.system_prompt or None}
+  tok = tokenizer if cfg.data.chat_template else None
+  return [dict(r, prompt_ids=tokenizer(data.format_prompt(r['question'], tok, **fmt),
+                                       add_special_tokens=False)['input_ids'])
+          for r in records]
+
+
+def _bucket(n: int) -> int:
+  return max(8, 1 << (n - 1).bit_length())
+
+
+def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=()) -> Task:
+  """Records (tokenised once), the seeded grain iterator and the held-out split."""
+  if tokenizer is None:
+    if cfg.data.source != 'tiny' and not cfg.model.path:
+      raise ValueError('config key model.path must name a model (its tokenizer) for '
+                       f'data.source={cfg.data.source!r}')
+    tokenizer = data.CharTokenizer() if not cfg.model.path else _load(cfg).tokenizer
+  train, held = _splits(cfg)
+  train, held = _tokenize(train, tokenizer, cfg), _tokenize(held, tokenizer, cfg)
+  it = iter(data.prompt_dataset(train, cfg.data.prompts_per_step, seed=cfg.seed))
+  is_char = isinstance(tokenizer, data.CharTokenizer)
+  pad = tokenizer.pad_id if is_char else (tokenizer.pad_token_id or 0)
+  stops = (tokenizer.eos_id,) if is_char else tuple(stop_ids or [tokenizer.eos_token_id])
+  longest = max(len(r['prompt_ids']) for r in train + held)
+  return Task(tokenizer, train, held, _JsonState(it), pad, stops, _bucket(longest))
+
+
+_LOADED = {}
+
+
+def _load(cfg: TrainConfig):
+  """The checkpoint at model.path, loaded once per process."""
+  from logra_jax.models import load  # pylint: disable=g-import-not-at-top
+  if cfg.model.path not in _LOADED:
+    _LOADED[cfg.model.path] = load(cfg.model.path)
+  return _LOADED[cfg.model.path]
+
+
+def build_model(cfg: TrainConfig, task: Task):
+  """(Transformer, ModelConfig, params): a checkpoint at model.path or a fresh preset."""
+  m = cfg.model
+  if m.path:
+    loaded = _load(cfg)
+    mc = loaded.config.replace(dtype=m.dtype, remat_policy=m.remat_policy)
+    params = loaded.params
+  else:
+    mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype,
+                    remat_policy=m.remat_policy, pad_token_id=task.pad_id,
+                    eos_token_ids=task.stop_ids)
+    params = init_params(mc, jax.random.key(cfg.seed))
+  return Transformer(mc), mc, params
+
+
+def _vocab(tokenizer):
+  return tokenizer.vocab_size if isinstance(tokenizer, data.CharTokenizer) else len(tokenizer)
+
+
+def warm_start(cfg: TrainConfig, task: Task, model, params, log=print):
+  """The supervised warm start on the training split (the tiny default uses it)."""
+  w = cfg.warm_start
+  batch = data.warm_start_batch(task.train_records, task.tokenizer)
+  params, loss = sft.warm_start(model, params, batch, w.steps, w.learning_rate, w.batch_size,
+                                cfg.seed)
+  log(f'supervised warm start: {w.steps} steps of cross-entropy on the training answers '
+      f'(final loss {loss:.3f}); RL starts from this model')
+  return params
