@@ -45,7 +45,9 @@ def vllm_worker(request_path: str) -> None:
   with open(request_path) as f:
     req = json.load(f)
   start = time.perf_counter()
-  llm = vllm.LLM(model=req['model_dir'], dtype='float32', seed=0,
+  # On the CPU backend gpu_memory_utilization is the fraction of host memory vLLM reserves for
+  # its KV cache; the default 0.92 fails on a shared machine and a 135M model needs little.
+  llm = vllm.LLM(model=req['model_dir'], dtype='float32', seed=0, gpu_memory_utilization=0.2,
                  max_model_len=max(map(len, req['prompts'])) + req['max_new_tokens'] + 8)
   startup_s = time.perf_counter() - start
   params = vllm.SamplingParams(temperature=0.0, max_tokens=req['max_new_tokens'],

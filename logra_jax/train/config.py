@@ -153,7 +153,8 @@ CHOICES = {
 POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',
             'optim.micro_batches', 'optim.rank', 'optim.kl_sequences', 'optim.lora_rank',
             'eval.k', 'total_steps', 'eval_every', 'checkpoint_every', 'log_every',
-            'optim.learning_rate', 'optim.alpha_max')
+            'optim.learning_rate', 'optim.alpha_max', 'optim.kl_budget_init',
+            'optim.kl_budget_steps', 'optim.rank_tau', 'rollout.temperature')
 
 
 def _get(cfg, key):
@@ -172,6 +173,9 @@ def _check(cfg: TrainConfig):
   if cfg.optim.momentum and (cfg.optim.refresh or cfg.optim.rank_delta):
     raise ValueError('config key optim.momentum needs fixed projections: set '
                      'optim.refresh=False and optim.rank_delta=0')
+  if cfg.optim.kl_budget_final < 0:
+    raise ValueError(f'config key optim.kl_budget_final must be >= 0, '
+                     f'got {cfg.optim.kl_budget_final}')
   if cfg.reward.workers < 0:
     raise ValueError(f'config key reward.workers must be >= 0 (0: score in-process), '
                      f'got {cfg.reward.workers}')

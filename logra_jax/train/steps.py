@@ -47,27 +47,36 @@ def _loss_fn(model, loss_cfg, prompt_len):
   return loss
 
 
+# Metrics aggregated like the loss (token or sequence mean); every other metric of
+# `_loss_fn` is a masked token mean.
+LOSS_LIKE_METRICS = ('loss', 'loss/policy')
+
+
 def split_micro_batches(batch, m: int, aggregation: str):
-  """(M, N/M, …) micro-batches and their loss weights (token or sequence share)."""
+  """(M, N/M, …) micro-batches, their loss weights (token or sequence share) and token shares."""
   mbs = jax.tree.map(lambda x: x.reshape((m, -1) + x.shape[1:]), batch)
-  if aggregation == 'token':
-    tokens = jnp.sum(mbs['target_mask'], axis=(1, 2))
-    weights = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
-  else:
-    weights = jnp.full((m,), 1.0 / m)
-  return mbs, weights
+  tokens = jnp.sum(mbs['target_mask'], axis=(1, 2))
+  shares = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+  weights = shares if aggregation == 'token' else jnp.full((m,), 1.0 / m)
+  return mbs, weights, shares
 
 
 def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str):
-  """Σ over micro-batches of grad_fn(mb, weight) -> ((loss, metrics), grads), in a scan."""
-  mbs, weights = split_micro_batches(batch, m, aggregation)
+  """Σ over micro-batches of grad_fn(mb, weight) -> ((loss, metrics), grads), in a scan.
+
+  Micro-batch metrics are combined into whole-batch values: token means by token share,
+  `LOSS_LIKE_METRICS` by the loss weights (so they do not depend on ``m``).
+  """
+  mbs, weights, shares = split_micro_batches(batch, m, aggregation)
 
   def body(acc, xs):
-    (loss, metrics), g = grad_fn(*xs)
+    mb, w, share = xs
+    (loss, metrics), g = grad_fn(mb, w)
     acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-    return acc, (loss, jax.tree.map(lambda v: v * xs[1], metrics))
+    metrics = {k: v * (w if k in LOSS_LIKE_METRICS else share) for k, v in metrics.items()}
+    return acc, (loss, metrics)
 
-  total, (losses, metrics) = jax.lax.scan(body, zeros, (mbs, weights))
+  total, (losses, metrics) = jax.lax.scan(body, zeros, (mbs, weights, shares))
   metrics = jax.tree.map(jnp.sum, metrics)
   metrics['loss'] = jnp.sum(losses)
   return total, metrics
