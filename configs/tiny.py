@@ -30,14 +30,20 @@ def get_config():
   cfg.reward.workers = 0  # exact match is instant: score in-process
   cfg.rl.advantage = 'grpo'
   cfg.optim.name = 'logra'
-  cfg.optim.rank = 16
-  cfg.optim.learning_rate = 1e-2
+  cfg.optim.rank = 64              # of d_in = 128 (256 for down_proj)
+  cfg.optim.projection = 'rademacher'
+  cfg.optim.refresh = True         # a new A every step, as in the paper
+  cfg.optim.sketch_optimizer = 'row_adam'
+  # The step size is set by the KL budget: the learning rate only fixes the candidate's scale.
+  cfg.optim.learning_rate = 1.0
   cfg.optim.kl_control = True
-  cfg.optim.kl_budget_init = 4e-3
-  cfg.optim.kl_budget_final = 4e-3
-  cfg.warm_start.steps = 300
+  cfg.optim.kl_budget_init = 1e-2  # per-step predicted KL, cosine-annealed (the paper: 2e-4 → 2e-5
+  cfg.optim.kl_budget_final = 1e-3  # for 1.5B-27B models; a 0.45M model moves in larger steps)
+  cfg.optim.kl_budget_steps = 1500
+  cfg.optim.adam_learning_rate = 1e-4  # the dense-Adam baseline (--config.optim.name=adam)
+  cfg.warm_start.steps = 300       # supervised warm start: held-out pass@1 ~0.23 before RL
   cfg.warm_start.learning_rate = 1e-3
-  cfg.total_steps = 300
-  cfg.eval_every = 25
-  cfg.checkpoint_every = 100
+  cfg.total_steps = 1500
+  cfg.eval_every = 100
+  cfg.checkpoint_every = 500
   return cfg

@@ -276,7 +276,7 @@ def test_lora_step_trains_only_the_adapters(setup, dense_grads):
       got = got[k]
     np.testing.assert_array_equal(got['a'], ab['a'])
     g_b = scale * jnp.einsum('lkr,lkd->lrd', ab['a'], g_flat[path])
-    close(got['b'], -o.learning_rate * g_b / (jnp.abs(g_b) + 1e-8))
+    close(got["b"], -o.adam_learning_rate * g_b / (jnp.abs(g_b) + 1e-8))
   merged = flat(merge(params, new))
   for path, w in flat(params).items():
     if path in traverse_util.flatten_dict(lora, is_leaf=lambda k, v: 'a' in v):

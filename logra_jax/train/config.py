@@ -70,7 +70,8 @@ class RLSection:
 @dataclasses.dataclass(frozen=True)
 class OptimSection:
   name: str = 'logra'       # 'logra' | 'adam' | 'lora'
-  learning_rate: float = 1e-2
+  learning_rate: float = 1e-2      # LoGRA's sketch optimizer
+  adam_learning_rate: float = 1e-4  # the dense-Adam and LoRA baselines
   lr_schedule: str = 'constant'  # | 'cosine' (to 0.1x over total_steps)
   warmup_steps: int = 0
   micro_batches: int = 1
@@ -153,7 +154,7 @@ CHOICES = {
 POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',
             'optim.micro_batches', 'optim.rank', 'optim.kl_sequences', 'optim.lora_rank',
             'eval.k', 'total_steps', 'eval_every', 'checkpoint_every', 'log_every',
-            'optim.learning_rate', 'optim.alpha_max', 'optim.kl_budget_init',
+            'optim.learning_rate', 'optim.adam_learning_rate', 'optim.alpha_max', 'optim.kl_budget_init',
             'optim.kl_budget_steps', 'optim.rank_tau', 'rollout.temperature')
 
 

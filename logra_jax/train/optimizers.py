@@ -10,29 +10,27 @@ from logra_jax import sketch
 from logra_jax.train.config import OptimSection, parse_rank_rules
 
 
-def learning_rate(o: OptimSection, total_steps: int) -> optax.Schedule:
-  """Constant, or linear warm-up then cosine to 0.1× over the run."""
+def learning_rate(o: OptimSection, total_steps: int, peak: float) -> optax.Schedule:
+  """``peak`` constant, or linear warm-up then cosine to 0.1× over the run."""
   if o.lr_schedule == 'constant':
-    main = optax.constant_schedule(o.learning_rate)
+    main = optax.constant_schedule(peak)
   else:
-    main = optax.cosine_decay_schedule(o.learning_rate, max(1, total_steps - o.warmup_steps),
-                                       alpha=0.1)
+    main = optax.cosine_decay_schedule(peak, max(1, total_steps - o.warmup_steps), alpha=0.1)
   if not o.warmup_steps:
     return main
-  warm = optax.linear_schedule(o.learning_rate / o.warmup_steps, o.learning_rate,
-                               o.warmup_steps)
+  warm = optax.linear_schedule(peak / o.warmup_steps, peak, o.warmup_steps)
   return optax.join_schedules([warm, main], [o.warmup_steps])
 
 
 def logra_optimizer(o: OptimSection, total_steps: int):
-  return sketch.logra(learning_rate(o, total_steps), optimizer=o.sketch_optimizer, b2=o.b2,
+  return sketch.logra(learning_rate(o, total_steps, o.learning_rate), optimizer=o.sketch_optimizer, b2=o.b2,
                       eps=o.eps, update_ratio=o.update_ratio or None,
                       momentum=o.momentum)
 
 
 def adam_optimizer(o: OptimSection, total_steps: int):
   parts = [optax.clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm else []
-  parts.append(optax.adamw(learning_rate(o, total_steps), b1=o.b1, b2=o.adam_b2,
+  parts.append(optax.adamw(learning_rate(o, total_steps, o.adam_learning_rate), b1=o.b1, b2=o.adam_b2,
                            weight_decay=o.weight_decay))
   return optax.chain(*parts)
 

@@ -1,6 +1,7 @@
 """From the config to the run's pieces: the prompt task (tokenised, grain-batched) and the model."""
 import dataclasses
 import json
+import os
 from typing import Any
 
 import jax
@@ -57,13 +58,62 @@ def _splits(cfg: TrainConfig):
   if d.source == 'tiny':
     train, held = data.get_source('tiny_addition', seed=cfg.seed)
   elif d.source == 'reasoning_gym':
-    train, held = data.get_source('reasoning_gym', dataset=d.name, size=d.train_size,
-                                  seed=cfg.seed, heldout_size=d.eval_size,
-                                  **json.loads(d.options))
+    name, options = reasoning_gym_spec(d.name, json.loads(d.options))
+    # Twice the held-out items: those also in train are dropped (small question spaces, e.g.
+    # 2-term arithmetic, repeat often), and eval_size should still be met.
+    train, held = data.get_source('reasoning_gym', dataset=name, size=d.train_size,
+                                  seed=cfg.seed, heldout_size=2 * d.eval_size, **options)
   else:
+    _check_data_files(cfg)
     train, held = data.get_source('file', path=d.path, heldout_path=d.eval_path or None,
                                   seed=cfg.seed)
   return train, held[:d.eval_size]
+
+
+def _check_data_files(cfg: TrainConfig):
+  """A missing prompt file is an error naming its config key (before any model loads)."""
+  if cfg.data.source != 'file':
+    return
+  for key, path in (('data.path', cfg.data.path), ('data.eval_path', cfg.data.eval_path)):
+    if path and not os.path.isfile(path):
+      raise FileNotFoundError(f'config key {key}={path!r}: no such file (a JSONL/Parquet '
+                              f'file with `problem` and `answer` fields; --config.{key}=...)')
+
+
+def reasoning_gym_spec(name: str, options: dict) -> tuple[str, dict]:
+  """(dataset, options) for `reasoning_gym.create_dataset` from data.name and data.options.
+
+  One name: that dataset, `options` its keyword arguments. A comma-separated list
+  ('countdown,arc_1d:2,...', an optional ':weight' each, default 1) is a reasoning-gym
+  'composite' mixture; `options` then maps each listed name to its own options (a name left
+  out uses the dataset's defaults). Every record keeps its source dataset, so the
+  'reasoning_gym' verifier scores it with that dataset's own `score_answer`.
+  """
+  names = [n.strip() for n in name.split(',') if n.strip()]
+  if len(names) == 1 and ':' not in names[0]:
+    return names[0], options
+  from reasoning_gym.composite import DatasetSpec  # pylint: disable=g-import-not-at-top
+  specs = []
+  for item in names:
+    ds, _, weight = item.partition(':')
+    try:
+      w = float(weight) if weight else 1.0
+    except ValueError:
+      raise ValueError(f"config key data.name: bad weight in {item!r} (expected 'name:weight')"
+                       ) from None
+    specs.append((ds.strip(), w))
+  listed = [ds for ds, _ in specs]
+  if len(set(listed)) != len(listed):
+    raise ValueError(f'config key data.name lists a dataset twice: {name!r}')
+  unknown = sorted(set(options) - set(listed))
+  if unknown:
+    raise ValueError(f'config key data.options: for a mixture it maps dataset names to their '
+                     f'options; {unknown} not in data.name ({listed})')
+  for ds, opts in options.items():
+    if not isinstance(opts, dict):
+      raise ValueError(f'config key data.options[{ds!r}] must be a JSON object, got {opts!r}')
+  return 'composite', {'datasets': [DatasetSpec(ds, w, dict(options.get(ds, {})))
+                                    for ds, w in specs]}
 
 
 def _tokenize(records, tokenizer, cfg: TrainConfig):
@@ -82,11 +132,15 @@ def _bucket(n: int) -> int:
 
 def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=()) -> Task:
   """Records (tokenised once), the seeded grain iterator and the held-out split."""
+  _check_data_files(cfg)
   if tokenizer is None:
     if cfg.data.source != 'tiny' and not cfg.model.path:
       raise ValueError('config key model.path must name a model (its tokenizer) for '
                        f'data.source={cfg.data.source!r}')
     tokenizer = data.CharTokenizer() if not cfg.model.path else _load(cfg).tokenizer
+    if tokenizer is None:
+      raise ValueError(f'config key model.path={cfg.model.path!r} has no tokenizer files '
+                       '(tokenizer.json / tokenizer_config.json): copy them from the release')
   train, held = _splits(cfg)
   train, held = _tokenize(train, tokenizer, cfg), _tokenize(held, tokenizer, cfg)
   it = iter(data.prompt_dataset(train, cfg.data.prompts_per_step, seed=cfg.seed))
@@ -103,8 +157,14 @@ _LOADED = {}
 def _load(cfg: TrainConfig):
   """The checkpoint at model.path, loaded once per process."""
   from logra_jax.models import load  # pylint: disable=g-import-not-at-top
-  if cfg.model.path not in _LOADED:
-    _LOADED[cfg.model.path] = load(cfg.model.path)
+  path = cfg.model.path
+  if path not in _LOADED:
+    if not os.path.exists(path):
+      raise FileNotFoundError(
+          f'config key model.path={path!r} does not exist on this machine: point it at an HF '
+          'checkpoint directory (config.json + safetensors + tokenizer) or a .gguf file, '
+          'e.g. --config.model.path=/path/to/Qwen2.5-Math-7B')
+    _LOADED[path] = load(path)
   return _LOADED[cfg.model.path]
 
 

