@@ -334,3 +334,16 @@ def test_command_line_typo_fails_naming_the_key(tmp_path):
   assert out.returncode != 0
   assert 'rnak' in out.stderr + out.stdout
   assert not os.path.exists(os.path.join(tmp_path, 'metrics.jsonl'))
+
+
+@pytest.mark.slow
+def test_kl_to_reference_penalty_runs_and_resumes(tmp_path):
+  """rl.kl_coef > 0: the reference (the starting policy) feeds the loss, and is checkpointed."""
+  cfg = make_config(rl__kl_coef=0.1, total_steps=2, checkpoint_every=1)
+  trainer = train(cfg, tmp_path)
+  rows = read_metrics(tmp_path)
+  # Step 1 samples from the reference itself: the k3 estimate of KL(π‖π_ref) is exactly 0;
+  # after one update the policy has moved, so step 2's is positive.
+  assert rows[1]['kl_ref'] == 0.0 and rows[2]['kl_ref'] > 0.0
+  resumed = train(make_config(rl__kl_coef=0.1, total_steps=3, checkpoint_every=1), tmp_path)
+  assert_trees_equal(resumed.ref, trainer.ref)

@@ -8,6 +8,7 @@ from (seed, t)) — is in the checkpoint, so a resumed run repeats an uninterrup
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -15,7 +16,7 @@ from logra_jax import sketch
 from logra_jax.rl.advantages import get_advantage_fn
 from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
-from logra_jax.train import tasks
+from logra_jax.train import steps, tasks
 from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.config import TrainConfig
 from logra_jax.train.methods import get_method
@@ -77,6 +78,7 @@ class Trainer:
     self.scorer = RewardScorer(cfg.reward.verifier, correct=cfg.reward.correct,
                                incorrect=cfg.reward.incorrect, timeout_s=cfg.reward.timeout_s,
                                num_workers=cfg.reward.workers)
+    self._ref_fns = {}
     self.step, resumed = self._restore_or_init(params)
     self.writer = MetricWriter(workdir, resume_step=self.step if resumed else -1)
     self.generator = JaxGenerator(self.model_config, self.method.policy_params(self.state),
@@ -89,21 +91,31 @@ class Trainer:
       if self.cfg.warm_start.steps:
         params = tasks.warm_start(self.cfg, self.task, self.model, params, self.log)
       self.state = self.method.init(params)
+      # The KL penalty's reference: the policy RL starts from (after any warm start).
+      self.ref = self._reference()
       self.adv_state, self.mismatch = self.estimator.init(), 0.0
       return 0, False
     self.state = self.method.init(params)
-    saved = {'method': self.state, 'adv': self.estimator.init()}
+    self.ref = self._reference()
+    saved = {'method': self.state, 'adv': self.estimator.init(), 'ref': self.ref}
     restored, meta = self.ckpt.restore(latest, saved)
-    self.state, self.adv_state = restored['method'], restored['adv']
+    self.state, self.adv_state, self.ref = restored['method'], restored['adv'], restored['ref']
     self.mismatch = meta['mismatch_ema']
     self.task.train_iter.set_state(meta['data'])
     self.log(f'resumed from step {latest} in {self.ckpt.directory}')
     return latest, True
 
+  def _reference(self):
+    """A copy of the current policy (the step donates its params), or {} without a penalty."""
+    if not self.cfg.rl.kl_coef:
+      return {}
+    return jax.tree.map(jnp.copy, self.method.policy_params(self.state))
+
   def save(self):
     meta = {'step': self.step, 'mismatch_ema': self.mismatch, 'seed': self.cfg.seed,
             'data': self.task.train_iter.get_state()}
-    self.ckpt.save(self.step, {'method': self.state, 'adv': self.adv_state}, meta)
+    self.ckpt.save(self.step, {'method': self.state, 'adv': self.adv_state, 'ref': self.ref},
+                   meta)
 
   def train_step(self) -> dict:
     cfg, t = self.cfg, self.step + 1
@@ -118,6 +130,10 @@ class Trainer:
                                                 self.adv_state, group_size=n)
     batch, p = assemble_batch(results, adv, cfg.rollout.max_new_tokens, self.task.pad_id,
                               self.task.prompt_len)
+    if self.cfg.rl.kl_coef:
+      if p not in self._ref_fns:
+        self._ref_fns[p] = steps.make_ref_logp(self.model, p, cfg.rollout.temperature)
+      batch['ref_logp'] = np.asarray(self._ref_fns[p](self.ref, batch))
     budget = float(sketch.effective_budget(self.budget(t - 1), self.mismatch))
     self.state, metrics = self.method.step(self.state, batch, p, t, budget)
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}

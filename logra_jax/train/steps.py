@@ -39,7 +39,7 @@ def _loss_fn(model, loss_cfg, prompt_len):
   def loss(variables, mb, weight):
     logits = completion_logits(model, variables, mb, prompt_len)
     value, metrics = rl_losses.rl_loss(loss_cfg, logits, mb['targets'], mb['behaviour_logp'],
-                                       mb['advantages'], mb['target_mask'])
+                                       mb['advantages'], mb['target_mask'], mb.get('ref_logp'))
     metrics = dict(metrics, mismatch=_mismatch(logits, mb, loss_cfg.temperature))
     entropy = rl_losses.token_entropy(jax.lax.stop_gradient(logits), loss_cfg.temperature)
     metrics['entropy'] = rl_losses.aggregate(entropy, mb['target_mask'])
@@ -80,6 +80,14 @@ def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str):
   metrics = jax.tree.map(jnp.sum, metrics)
   metrics['loss'] = jnp.sum(losses)
   return total, metrics
+
+
+def make_ref_logp(model, prompt_len: int, temperature: float):
+  """Jitted log-probs of the completion tokens under reference params (the KL penalty)."""
+  def ref_logp(ref_params, batch):
+    logits = completion_logits(model, {'params': ref_params}, batch, prompt_len)
+    return rl_losses.token_logprobs(logits, batch['targets'], temperature)
+  return jax.jit(ref_logp)
 
 
 def _all_finite(tree):
