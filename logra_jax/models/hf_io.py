@@ -22,7 +22,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from logra_jax.models.config import ModelConfig
+from logra_jax.models.config import ModelConfig, _hf_architecture
 from logra_jax.models.transformer import abstract_variables
 
 SAFETENSORS = 'model.safetensors'
@@ -97,7 +97,12 @@ def read_hf_config(directory: str) -> ModelConfig:
   if not os.path.isfile(path):
     raise FileNotFoundError(f'no config.json in HF checkpoint directory {directory!r}')
   with open(path) as f:
-    return ModelConfig.from_hf_config(json.load(f))
+    fields = json.load(f)
+  model_type = _hf_architecture(fields)  # our error naming the field, before transformers'
+  # Through transformers' config class for the family, so its defaults fill absent fields.
+  from transformers import AutoConfig  # pylint: disable=g-import-not-at-top
+  fields = {k: v for k, v in fields.items() if k != 'model_type'}
+  return ModelConfig.from_hf_config(AutoConfig.for_model(model_type, **fields))
 
 
 def _tensor_files(directory: str) -> dict:
