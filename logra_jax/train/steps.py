@@ -17,9 +17,6 @@ import optax
 from logra_jax import sketch
 from logra_jax.rl import losses as rl_losses
 
-METRIC_KEYS = ('loss', 'predicted_kl', 'realized_kl', 'alpha', 'kl_budget', 'kl_coefficient',
-               'mismatch', 'sketch_norm', 'skipped', 'entropy', 'is_capped')
-
 
 def completion_logits(model, variables, batch, prompt_len):
   """Logits predicting the T completion tokens: positions P−1 … P+T−2."""
@@ -155,7 +152,7 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
 
 
 def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: StepConfig,
-                    trainable: Callable = None, merge: Callable = None):
+                    merge: Callable = None):
   """Dense-gradient step (AdamW on all params, or LoRA on adapters through ``merge``).
 
   ``step(params, train, opt_state, batch)`` → ``(params, train, opt_state, metrics)``: for
@@ -183,5 +180,4 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
                    sketch_norm=optax.global_norm(g), skipped=1.0 - ok.astype(jnp.float32))
     return new_train, new_opt_state, metrics
 
-  jitted = jax.jit(step, donate_argnums=(1, 2))
-  return jitted
+  return jax.jit(step, donate_argnums=(1, 2))
