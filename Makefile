@@ -30,7 +30,7 @@ run: $(VENV)/.installed
 
 # pytest exits 5 when it collects no test: that is a failure here, like any non-zero code.
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest tests -q -ra $(ARGS)
+	$(BIN)/python -m pytest tests -q -ra --durations=15 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs
