@@ -115,3 +115,17 @@ def _optax_contract_module():
 
 
 OptaxContractTest = _optax_contract_module().ContribTest
+
+
+def test_sketch_momentum_is_a_debiased_ema_before_row_adam():
+  # optax.ema with debias: e_t = (Σ_i m^{t-i}(1−m) S_i) / (1 − m^t); e_1 = S_1 and
+  # e_2 = (m(1−m) S_1 + (1−m) S_2) / (1 − m²) = (m S_1 + S_2) / (1 + m).
+  m = 0.5
+  rng = np.random.default_rng(4)
+  s1, s2 = rng.normal(size=(3, 5)), rng.normal(size=(3, 5))
+  opt = sketch.logra(1.0, momentum=m)
+  state = opt.init(jnp.zeros((3, 5)))
+  _, state = opt.update(jnp.asarray(s1), state)
+  u2, _ = opt.update(jnp.asarray(s2), state)
+  want = numpy_row_adam([s1, (m * s1 + s2) / (1 + m)])[1]
+  np.testing.assert_allclose(u2, -want, rtol=1e-12)

@@ -138,7 +138,7 @@ SKETCH_OPTIMIZERS = {'row_adam': scale_by_row_adam, 'sgd': scale_by_sketch_sgd}
 def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
           b2: float = 0.95, eps: float = 1e-8,
           update_ratio: Optional[float] = None,
-          momentum: float = 0.0) -> optax.GradientTransformationExtraArgs:
+          momentum: Optional[float] = None) -> optax.GradientTransformationExtraArgs:
   """The LoGRA sketch optimizer: [momentum →] (RowAdam | SGD) [→ relative step] → −lr.
 
   Args:
@@ -147,7 +147,7 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
     b2, eps: RowAdam's hyper-parameters.
     update_ratio: if set, the authors' relative global step (needs ``projections=`` and the
       sketched kernels as ``params`` in ``update``).
-    momentum: if > 0, a debiased EMA of the sketches first (a first moment in sketch space).
+    momentum: if set, a debiased EMA of the sketches first (a first moment in sketch space).
       Only meaningful with FIXED projections: a refreshed A changes the sketch's basis.
 
   Returns:
@@ -162,7 +162,9 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
   if optimizer not in SKETCH_OPTIMIZERS:
     raise ValueError(f'optimizer must be one of {sorted(SKETCH_OPTIMIZERS)}, got {optimizer!r}')
   base = scale_by_row_adam(b2, eps) if optimizer == 'row_adam' else scale_by_sketch_sgd()
-  parts = [optax.with_extra_args_support(optax.ema(momentum, debias=True))] if momentum else []
+  # None (not 0) means off, so that inject_hyperparams leaves the structure static.
+  parts = ([optax.with_extra_args_support(optax.ema(momentum, debias=True))]
+           if momentum is not None else [])
   parts.append(base)
   if update_ratio is not None:
     parts.append(scale_by_relative_step(update_ratio))
