@@ -140,7 +140,8 @@ def generate_arrays(params, prompt_BxP, prompt_mask_BxP, seeds_B, stop_ids, *,
   return state.tokens_BxT, state.logprobs_BxT, state.lengths_B, state.stopped_B
 
 
-def _bucket(n: int, minimum: int = 1) -> int:
+def bucket_size(n: int, minimum: int = 1) -> int:
+  """The power of two ≥ n (and ≥ minimum): padded shapes that limit recompiles."""
   return max(minimum, 1 << (n - 1).bit_length())
 
 
@@ -168,7 +169,7 @@ def generate(params, config: ModelConfig, prompt_ids: Sequence[Sequence[int]],
   if len(seeds) != n:
     raise ValueError(f'got {len(seeds)} seeds for {n} prompts')
   longest = max(len(ids) for ids in prompt_ids)
-  batch, length = (_bucket(n), _bucket(longest, 8)) if bucket else (n, longest)
+  batch, length = (bucket_size(n), bucket_size(longest, 8)) if bucket else (n, longest)
   if length + max_new_tokens > config.max_position_embeddings:
     length = longest
   tokens, mask = pad_prompts(prompt_ids, batch, length, config.pad_token_id or 0)

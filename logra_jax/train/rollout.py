@@ -9,12 +9,8 @@ import numpy as np
 
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.sampler import SamplingParams as EngineSampling
-from logra_jax.models.sampler import generate_arrays, pad_prompts
+from logra_jax.models.sampler import bucket_size, generate_arrays, pad_prompts
 from logra_jax.rl.types import GenerationRequest, GenerationResult
-
-
-def _bucket(n: int, minimum: int) -> int:
-  return max(minimum, 1 << (n - 1).bit_length())
 
 
 class JaxGenerator:
@@ -50,7 +46,7 @@ class JaxGenerator:
         seeds.append((base * 1_000_003 + j) % (1 << 32))
         owners.append((r, j))
     n = len(prompts)
-    b, p = _bucket(n, 1), _bucket(max(map(len, prompts)), 8)
+    b, p = bucket_size(n, 1), bucket_size(max(map(len, prompts)), 8)
     tokens, mask = pad_prompts(prompts, b, p, self.pad_id)
     seeds_b = np.zeros((b,), np.uint32)
     seeds_b[:n] = seeds
@@ -74,7 +70,7 @@ def assemble_batch(results: Sequence[GenerationResult], advantages, max_new_toke
     (batch dict of numpy arrays, P). ``prompt_len`` (if larger) fixes P to avoid recompiles.
   """
   n, t = len(results), max_new_tokens
-  p = max(prompt_len, _bucket(max(len(r.prompt_token_ids) for r in results), 8))
+  p = max(prompt_len, bucket_size(max(len(r.prompt_token_ids) for r in results), 8))
   tokens = np.full((n, p + t), pad_id, np.int32)
   mask = np.zeros((n, p + t), bool)
   targets = np.full((n, t), pad_id, np.int32)

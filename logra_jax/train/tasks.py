@@ -9,6 +9,7 @@ import numpy as np
 
 from logra_jax import data
 from logra_jax.models.presets import get_preset
+from logra_jax.models.sampler import bucket_size
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.train import warm_start as sft
 from logra_jax.train.config import TrainConfig
@@ -126,10 +127,6 @@ def _tokenize(records, tokenizer, cfg: TrainConfig):
           for r in records]
 
 
-def _bucket(n: int) -> int:
-  return max(8, 1 << (n - 1).bit_length())
-
-
 def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=()) -> Task:
   """Records (tokenised once), the seeded grain iterator and the held-out split."""
   _check_data_files(cfg)
@@ -148,7 +145,7 @@ def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=()) -> Task:
   pad = tokenizer.pad_id if is_char else (tokenizer.pad_token_id or 0)
   stops = (tokenizer.eos_id,) if is_char else tuple(stop_ids or [tokenizer.eos_token_id])
   longest = max(len(r['prompt_ids']) for r in train + held)
-  return Task(tokenizer, train, held, _JsonState(it), pad, stops, _bucket(longest))
+  return Task(tokenizer, train, held, _JsonState(it), pad, stops, bucket_size(longest, 8))
 
 
 _LOADED = {}
