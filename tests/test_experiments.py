@@ -50,11 +50,12 @@ def sweep():
   # d=32, f=64: q/k/v/o and gate/up have K=32, down has K=64; every rank below ≤ min(K, D).
   problem = fidelity.tiny_problem(vocab=32, d=32, f=64, layers=2, batch=2, length=16,
                                   dtype=jnp.float64)
-  return fidelity.fidelity_sweep(problem, ranks=(4, 16, 32), seeds=(0, 1, 2))
+  return fidelity.fidelity_sweep(problem, ranks=(4, 16, 32), seeds=(0, 1, 2),
+                                 kinds=('rademacher', 'gaussian', 'orthogonal'))
 
 
 def test_cosine_rises_with_rank(sweep):
-  for kind in ('rademacher', 'gaussian'):
+  for kind in ('rademacher', 'gaussian', 'orthogonal'):
     cos = [r['cos_mean'] for r in sweep if r['kind'] == kind]
     assert len(cos) == 3 and all(a < b for a, b in zip(cos, cos[1:])), (kind, cos)
 
@@ -67,7 +68,12 @@ def test_cosine_matches_theory_and_is_not_one_at_full_rank(sweep, rank):
     assert row['n'] == 7 * 2 * 3
     tol = max(_tolerance(rank, k, row['n']) for k in (32, 64))
     assert abs(row['cos_mean'] / row['predicted'] - 1) < tol, (row, tol)
-    if rank == 32:
+    if rank == 32 and row['kind'] == 'orthogonal':
+      # Orthogonal rows at R = K: AᵀA = I, the sketch loses nothing (down_proj: sqrt(1/2)).
+      for module, cos in row['by_module'].items():
+        want = np.sqrt(0.5) if module == 'down_proj' else 1.0
+        assert abs(cos - want) < (0.05 if module == 'down_proj' else 1e-6), (module, cos)
+    elif rank == 32:
       assert 0.6 < row['cos_mean'] < 0.75
       low = next(r for r in sweep if r['kind'] == row['kind'] and r['rank'] == 4)
       assert row['cos_mean'] > 1.8 * low['cos_mean']  # predicted ratio 0.68/0.33 ≈ 2.1
@@ -101,5 +107,6 @@ def test_sketch_fidelity_entry_point(tmp_path):
   with open(tmp_path / 'sketch_fidelity.json') as f:
     rows = json.load(f)['rows']
   assert [(r['kind'], r['rank']) for r in rows] == [
-      ('rademacher', 2), ('rademacher', 4), ('gaussian', 2), ('gaussian', 4)]
+      ('rademacher', 2), ('rademacher', 4), ('gaussian', 2), ('gaussian', 4),
+      ('orthogonal', 2), ('orthogonal', 4)]
   assert (tmp_path / 'sketch_fidelity.png').stat().st_size > 0

@@ -81,9 +81,15 @@ def reconstruction_cosine(projection, sketch, grad):
 
 
 def predicted_cosine(rank: int, dim: int, kind: str = 'rademacher') -> float:
-  """1/sqrt(E‖AᵀAG‖²/‖G‖²) = sqrt(R/(R+K+1)) (Gaussian) or sqrt(R/(R+K−1)) (Rademacher)."""
+  """1/sqrt(E‖AᵀAG‖²/‖G‖²): sqrt(R/(R+K+1)) (Gaussian), sqrt(R/(R+K−1)) (Rademacher).
+
+  Orthogonal rows: AᵀA = (K/R)·P with E[P] = (R/K)·I, so E‖AᵀAG‖² = (K/R)‖G‖² and the
+  cosine ‖PG‖/‖G‖ concentrates at sqrt(R/K) (exactly 1 at R = K).
+  """
   if kind not in KINDS:
     raise ValueError(f'projection kind must be one of {KINDS}, got {kind!r}')
+  if kind == 'orthogonal':
+    return float(np.sqrt(rank / dim))
   return float(np.sqrt(rank / (rank + dim + (1 if kind == 'gaussian' else -1))))
 
 

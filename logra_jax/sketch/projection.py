@@ -15,9 +15,20 @@ another process, machine or framework rebuilds the same A from the seed:
     The float32 result is bit-exact wherever the C library's float64 log/cos agree, which
     differ, if at all, in the last float64 bit (a float32 flip has odds ~1e-9 per element);
     ``projection_checksum`` travels with every update so a receiver detects any mismatch.
+  * Orthogonal (a block subsampled randomised Hadamard transform, R ≤ K): write K as a sum
+    of powers of two, largest first (K = 576 → blocks of 512 and 64 at offsets 0 and 512).
+    Column signs ``d_j`` are the Rademacher signs of elements ``j = 0 … K-1`` above. The K
+    candidate rows (block b, local row l), numbered block by block, are ordered by
+    ``mix64((key ^ ROW_SALT) + (g + 1) * GOLDEN)`` for candidate ``g`` (ascending, ties by
+    ``g``), and the first R are taken. Selected row (b, l) is zero outside its block and
+    ``A[o_b + c] = d_{o_b + c} · (-1)^popcount(l & c) · sqrt(K / (R · n_b))`` inside it
+    (block offset ``o_b``, size ``n_b``). Every value is a correctly rounded sqrt, so the
+    matrix is bit-exact everywhere. The rows are orthogonal: A Aᵀ = (K/R) I, and AᵀA =
+    (K/R) P with P a random rank-R orthogonal projection; at R = K, AᵀA = I exactly.
+    The sketch's reconstruction cosine is sqrt(R/K), against sqrt(R/(R+K)) for i.i.d. A.
 
 Stacked (scanned) layers use the name ``f"{path}/{layer}"`` for layer ``layer``.
-E[AᵀA] = I for both kinds.
+E[AᵀA] = I for every kind.
 """
 import hashlib
 
@@ -27,7 +38,8 @@ MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 STEP_MUL = 0xD1B54A32D192ED03
 GAUSS_SALT = 0x5851F42D4C957F2D
-KINDS = ('rademacher', 'gaussian')
+ROW_SALT = 0x2545F4914F6CDD1D
+KINDS = ('rademacher', 'gaussian', 'orthogonal')
 
 
 def _mix64(z):
@@ -65,7 +77,8 @@ def sample_projection(seed, step, name, rank, dim, kind='rademacher', dtype=np.f
     step: optimizer step (pass 0 for fixed projections).
     name: the matrix name, e.g. 'layers/attn/q_proj/kernel/3'.
     rank: R. dim: K (the kernel's input dimension).
-    kind: 'rademacher' (±1/√R) or 'gaussian' (N(0, 1/R)).
+    kind: 'rademacher' (±1/√R), 'gaussian' (N(0, 1/R)) or 'orthogonal' (block SRHT, R ≤ K,
+      orthogonal rows; see the module docstring).
 
   Returns:
     A numpy array (rank, dim) of ``dtype``.
@@ -75,6 +88,8 @@ def sample_projection(seed, step, name, rank, dim, kind='rademacher', dtype=np.f
   if int(rank) < 1 or int(dim) < 1:
     raise ValueError(f'rank and dim must be >= 1, got rank={rank}, dim={dim}')
   key = np.uint64(projection_key(seed, step, name))
+  if kind == 'orthogonal':
+    return _orthogonal(key, int(rank), int(dim)).astype(np.float32).astype(dtype)
   idx = np.arange(1, rank * dim + 1, dtype=np.uint64)
   with np.errstate(over='ignore'):
     h = _mix64(key + idx * np.uint64(GOLDEN))
@@ -86,6 +101,39 @@ def sample_projection(seed, step, name, rank, dim, kind='rademacher', dtype=np.f
     u2 = (_mix64(h ^ np.uint64(GAUSS_SALT)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
     out = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2) / np.sqrt(rank)
   return out.astype(np.float32).astype(dtype).reshape(rank, dim)
+
+
+def _hadamard_blocks(dim):
+  """(offset, size) of the power-of-two blocks of ``dim``, largest first."""
+  blocks, offset = [], 0
+  for bit in reversed(range(dim.bit_length())):
+    if dim >> bit & 1:
+      blocks.append((offset, 1 << bit))
+      offset += 1 << bit
+  return blocks
+
+
+def _orthogonal(key, rank, dim):
+  """The block-SRHT projection (rank, dim) in float64 (see the module docstring)."""
+  if rank > dim:
+    raise ValueError(f"orthogonal projections need rank <= dim, got rank={rank}, dim={dim}")
+  with np.errstate(over='ignore'):
+    cols = _mix64(key + np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(GOLDEN))
+    order = _mix64((key ^ np.uint64(ROW_SALT))
+                   + np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(GOLDEN))
+  signs = 1.0 - 2.0 * (cols >> np.uint64(63)).astype(np.float64)
+  chosen = np.argsort(order, kind='stable')[:rank]
+  blocks = _hadamard_blocks(dim)
+  starts = np.array([o for o, _ in blocks])
+  out = np.zeros((rank, dim))
+  for i, g in enumerate(chosen):
+    offset, size = blocks[int(np.searchsorted(starts, g, side='right')) - 1]
+    local = np.uint64(g - offset)
+    c = np.arange(size, dtype=np.uint64)
+    parity = np.bitwise_count(local & c).astype(np.int64) & 1
+    out[i, offset:offset + size] = ((1 - 2 * parity) * signs[offset:offset + size]
+                                    * np.sqrt(dim / (rank * size)))
+  return out
 
 
 def projection_checksum(a) -> str:

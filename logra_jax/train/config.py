@@ -82,7 +82,7 @@ class OptimSection:
   rank_rules: str = ''      # per-module ranks: 'regex=rank,regex=rank' (first match wins)
   rank_delta: int = 0       # dynamic rank r_t = rank + ceil(rank_delta·tanh(t/rank_tau))
   rank_tau: float = 1000.0
-  projection: str = 'rademacher'  # | 'gaussian'
+  projection: str = 'rademacher'  # | 'gaussian' | 'orthogonal' (block SRHT, rank <= d_in)
   refresh: bool = True      # redraw A every step (False: fixed A)
   momentum: float = 0.0     # sketch-space first moment (needs refresh=False, rank_delta=0)
   b2: float = 0.95
@@ -147,7 +147,7 @@ CHOICES = {
     'optim.name': ('logra', 'adam', 'lora'),
     'optim.lr_schedule': ('constant', 'cosine'),
     'optim.sketch_optimizer': ('row_adam', 'sgd'),
-    'optim.projection': ('rademacher', 'gaussian'),
+    'optim.projection': ('rademacher', 'gaussian', 'orthogonal'),
     'optim.kl_probe': ('jvp', 'fd'),
     'model.dtype': ('float32', 'bfloat16', 'float64'),
 }
