@@ -185,6 +185,37 @@ def test_logra_update_is_alpha_times_a_transpose_u_of_the_dense_gradient_sketch(
   np.testing.assert_allclose(metrics['realized_kl'], metrics['predicted_kl'], rtol=0.1)
 
 
+def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(setup, dense_grads):
+  """The tiny default's rule: α = min(1, sqrt(δ/q)) on lr · S/root (preserve_norm=False)."""
+  _, model, params, batch, a = setup
+  lr = 1e-3
+  opt = optimizers.logra_optimizer(OptimSection(preserve_norm=False, learning_rate=lr), 10)
+  step = jax.jit(steps.make_logra_step(model, loss_config(), opt,
+                                       step_config()._replace(alpha_max=1.0)))
+  s = jax.tree.map(lambda a_, g: jnp.einsum('lrk,lkd->lrd', a_, g), a,
+                   sketch.kernels_of(dense_grads[1], a))
+  # Step 1: root = the RMS of each output unit's sketch column, U = −lr·S/(root + ε·mean root).
+  def unit_scaled(s_):
+    root = jnp.sqrt(jnp.mean(s_**2, axis=1, keepdims=True))
+    return s_ / (root + 1e-8 * jnp.mean(root, axis=2, keepdims=True))
+  d = jax.tree.map(lambda a_, s_: jnp.einsum('lrk,lrd->lkd', a_, -lr * unit_scaled(s_)), a, s)
+  targets = traverse_util.flatten_dict(d)
+  run = lambda budget: step(copy(params), opt.init(sketch.zero_probes(params, a)), batch, a,
+                            jnp.float64(budget), jax.random.key(0))
+  free, _, m = run(1e6)  # a budget far above the step's predicted KL: α = 1, the lr step
+  assert m['skipped'] == 0 and float(m['alpha']) == 1.0
+  for path, w in flat(params).items():
+    if path in targets:
+      close(flat(free)[path] - w, targets[path])
+  q = float(m['kl_coefficient'])
+  capped, _, m = run(0.25 * q)  # a quarter of the step's predicted KL: α = 1/2
+  close(m['alpha'], 0.5)
+  close(m['predicted_kl'], 0.25 * q)
+  for path, w in flat(params).items():
+    if path in targets:
+      close(flat(capped)[path] - w, 0.5 * targets[path])
+
+
 def test_logra_step_skips_a_non_finite_batch(setup):
   params, batch = setup[2], setup[3]
   p1, o1, m1 = run_logra(setup)  # a normal step: weights move, the optimizer counts it

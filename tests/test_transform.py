@@ -45,6 +45,28 @@ def test_row_adam_matches_numpy_and_keeps_the_norm():
   assert int(state.count) == 5
 
 
+def test_row_adam_without_norm_preservation_is_the_plain_row_scaling():
+  # preserve_norm=False: D = S / (root + eps·mean root), Adam's scale-free magnitude (a unit
+  # whose sketch is steady gets entries of size ~1 whatever the gradient's scale).
+  rng = np.random.default_rng(2)
+  seq = [rng.normal(size=(4, 6)) * rng.uniform(0.1, 10, size=(1, 6)) for _ in range(3)]
+  opt = sketch.scale_by_row_adam(b2=0.9, eps=1e-3, preserve_norm=False)
+  state = opt.init(jnp.zeros((4, 6)))
+  v = np.zeros(6)
+  for t, s in enumerate(seq, start=1):
+    u, state = opt.update(jnp.asarray(s), state)
+    v = 0.9 * v + 0.1 * np.mean(s * s, axis=0)
+    root = np.sqrt(v / (1 - 0.9**t))
+    np.testing.assert_allclose(u, s / (root + 1e-3 * root.mean()), rtol=1e-12)
+  # Same direction as the norm-preserving version, only the matrix's scale differs.
+  kept, _ = sketch.scale_by_row_adam(b2=0.9, eps=1e-3).update(jnp.asarray(seq[0]),
+                                                                opt.init(jnp.zeros((4, 6))))
+  free, _ = opt.update(jnp.asarray(seq[0]), opt.init(jnp.zeros((4, 6))))
+  ratio = np.asarray(kept) / np.asarray(free)
+  np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-12)
+  assert abs(np.sqrt(np.mean(np.square(free))) - 1) < 0.5  # ≈ unit RMS at step 1
+
+
 def test_row_adam_stacked_layers_per_matrix_and_zero_sketch():
   rng = np.random.default_rng(1)
   s = rng.normal(size=(3, 4, 6))

@@ -43,8 +43,8 @@ def _row_moment(s):
   return jnp.mean(s * s, axis=axes) if axes else s * s
 
 
-def _row_adam_leaf(s, nu, count, b2, eps):
-  """One leaf: D = S / denom (per unit), rescaled to ‖S‖_F per matrix."""
+def _row_adam_leaf(s, nu, count, b2, eps, preserve_norm=True):
+  """One leaf: D = S / denom (per unit), rescaled to ‖S‖_F per matrix if preserve_norm."""
   s32 = s.astype(nu.dtype)
   root = jnp.sqrt(nu / (1.0 - b2 ** count.astype(nu.dtype)))
   # The mean root over the units of one matrix (its last axis); a scalar is its own mean.
@@ -52,13 +52,16 @@ def _row_adam_leaf(s, nu, count, b2, eps):
   denom = root + jnp.maximum(eps * mean_root, TINY)
   axes = _unit_axes(s32)
   d = s32 / (jnp.expand_dims(denom, axes) if axes else denom)
+  if not preserve_norm:
+    return d.astype(s.dtype)
   m_axes = _matrix_axes(s32)
   s_norm = jnp.sqrt(jnp.sum(s32 * s32, axis=m_axes, keepdims=True))
   d_norm = jnp.sqrt(jnp.sum(d * d, axis=m_axes, keepdims=True))
   return (d * (s_norm / jnp.maximum(d_norm, TINY))).astype(s.dtype)
 
 
-def scale_by_row_adam(b2: float = 0.95, eps: float = 1e-8) -> optax.GradientTransformationExtraArgs:
+def scale_by_row_adam(b2: float = 0.95, eps: float = 1e-8,
+                      preserve_norm: bool = True) -> optax.GradientTransformationExtraArgs:
   """RowAdam: a second moment per output unit, bias-corrected, norm-preserving.
 
   For a sketch S (R, D), per output unit j (a column here, the paper's row of S ∈ R^{D×R}):
@@ -90,7 +93,8 @@ def scale_by_row_adam(b2: float = 0.95, eps: float = 1e-8) -> optax.GradientTran
     count = optax.safe_increment(state.count)
     nu = jax.tree.map(lambda s, v: (b2 * v + (1.0 - b2) * _row_moment(s)).astype(v.dtype),
                       updates, state.nu)
-    out = jax.tree.map(lambda s, v: _row_adam_leaf(s, v, count, b2, eps), updates, nu)
+    out = jax.tree.map(lambda s, v: _row_adam_leaf(s, v, count, b2, eps, preserve_norm),
+                       updates, nu)
     return out, RowAdamState(count=count, nu=nu)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -138,7 +142,8 @@ SKETCH_OPTIMIZERS = {'row_adam': scale_by_row_adam, 'sgd': scale_by_sketch_sgd}
 def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
           b2: float = 0.95, eps: float = 1e-8,
           update_ratio: Optional[float] = None,
-          momentum: Optional[float] = None) -> optax.GradientTransformationExtraArgs:
+          momentum: Optional[float] = None,
+          preserve_norm: bool = True) -> optax.GradientTransformationExtraArgs:
   """The LoGRA sketch optimizer: [momentum →] (RowAdam | SGD) [→ relative step] → −lr.
 
   Args:
@@ -161,7 +166,7 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
   """
   if optimizer not in SKETCH_OPTIMIZERS:
     raise ValueError(f'optimizer must be one of {sorted(SKETCH_OPTIMIZERS)}, got {optimizer!r}')
-  base = scale_by_row_adam(b2, eps) if optimizer == 'row_adam' else scale_by_sketch_sgd()
+  base = scale_by_row_adam(b2, eps, preserve_norm) if optimizer == 'row_adam' else scale_by_sketch_sgd()
   # None (not 0) means off, so that inject_hyperparams leaves the structure static.
   parts = ([optax.with_extra_args_support(optax.ema(momentum, debias=True))]
            if momentum is not None else [])

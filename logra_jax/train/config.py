@@ -87,6 +87,8 @@ class OptimSection:
   momentum: float = 0.0     # sketch-space first moment (needs refresh=False, rank_delta=0)
   b2: float = 0.95
   eps: float = 1e-8
+  preserve_norm: bool = True  # RowAdam rescales each matrix to its sketch's Frobenius norm
+  #   (the paper); False: entries of size ~1 like Adam's, so learning_rate is Adam-like
   update_ratio: float = 0.0  # the authors' relative global step (0: off)
   sparse_mask: float = 0.0  # drop this fraction of output units per step (unbiased)
   kl_control: bool = True   # α from the predicted KL (else α = 1)
@@ -94,7 +96,7 @@ class OptimSection:
   kl_budget_init: float = 2e-4
   kl_budget_final: float = 2e-5
   kl_budget_steps: int = 300
-  alpha_max: float = 3.0
+  alpha_max: float = 3.0    # 1.0 makes the budget a ceiling: steps are never enlarged
   kl_sequences: int = 8     # sequences of the batch used by the KL probe
   mismatch_ema: float = 0.3
   # Dense Adam / LoRA baselines

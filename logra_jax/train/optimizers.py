@@ -25,7 +25,7 @@ def learning_rate(o: OptimSection, total_steps: int, peak: float) -> optax.Sched
 def logra_optimizer(o: OptimSection, total_steps: int):
   return sketch.logra(learning_rate(o, total_steps, o.learning_rate), optimizer=o.sketch_optimizer, b2=o.b2,
                       eps=o.eps, update_ratio=o.update_ratio or None,
-                      momentum=o.momentum or None)
+                      momentum=o.momentum or None, preserve_norm=o.preserve_norm)
 
 
 def adam_optimizer(o: OptimSection, total_steps: int):
