@@ -4,14 +4,16 @@ For one batch of a small model, the sketch S = A G of every sketched kernel come
 probe gradient (`sketch_value_and_grad`); it is expanded to Ĝ = Aᵀ S and compared with the
 dense gradient G. The mean cosine over the sketched matrices and a few projection seeds rises
 with rank. Theory (see `logra_jax.sketch.fidelity`): for a random A, E‖AG‖² = ‖G‖² and
-E‖AᵀAG‖² = ‖G‖² (R+K±1)/R for any G, so cos ≈ sqrt(R/(R+K±1)) ≈ sqrt(R/K) when R ≪ K —
-structure in G does not raise it; at R = K it is ≈ 1/√2, not 1 (AᵀA = I only in expectation).
+E‖AᵀAG‖² = ‖G‖² (R+K±1)/R for any G (i.i.d. entries), so cos ≈ sqrt(R/(R+K±1)) ≈
+sqrt(R/K) when R ≪ K; structure in G does not raise it, and at R = K it is ≈ 1/√2, not 1
+(AᵀA = I only in expectation; the orthogonal kind, AᵀA = (K/R)·P, reaches 1 there).
 The table prints the measured cosine beside that prediction and beside sqrt(R/K).
 
   python experiments/sketch_fidelity.py --out_dir=runs/sketch_fidelity
 
 Expected (default TinyLM d=256 f=1024, 2 layers, ~10 s on CPU): rank 4/16/64/256 → cos ≈
-0.11/0.22/0.42/0.67 for both kinds, each within ~1 sem of the prediction. Writes
+0.11/0.22/0.42/0.67 for rademacher and gaussian, 0.12/0.23/0.47/0.93 = sqrt(R/K) for
+orthogonal (rows orthogonal: AᵀA = (K/R)·P), each within ~1 sem of the prediction. Writes
 sketch_fidelity.png (cosine vs rank, log x, one line per kind) and sketch_fidelity.json.
 """
 import json

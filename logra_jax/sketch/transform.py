@@ -67,11 +67,14 @@ def scale_by_row_adam(b2: float = 0.95, eps: float = 1e-8,
   For a sketch S (R, D), per output unit j (a column here, the paper's row of S ∈ R^{D×R}):
     v_j ← b2 v_j + (1 − b2) mean_i S_ij²,   root_j = sqrt(v_j / (1 − b2^t)),
     denom_j = root_j + max(eps · mean_j root_j, tiny),   D = S / denom,
-    D ← D · ‖S‖_F / ‖D‖_F            (per matrix; no first moment).
+    D ← D · ‖S‖_F / ‖D‖_F            (per matrix, if preserve_norm; no first moment).
 
   Args:
     b2: second-moment decay.
     eps: relative epsilon (times the mean root of the matrix).
+    preserve_norm: rescale each matrix to its sketch's Frobenius norm (the paper). False
+      keeps D = S / denom: entries of size ~1 whatever the gradient's scale, like Adam's,
+      so a plain learning rate sets the step (the tiny config's rule).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; updates keep each leaf's dtype.
@@ -149,7 +152,7 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
   Args:
     learning_rate: a float or an optax schedule.
     optimizer: 'row_adam' or 'sgd'.
-    b2, eps: RowAdam's hyper-parameters.
+    b2, eps, preserve_norm: RowAdam's hyper-parameters (see ``scale_by_row_adam``).
     update_ratio: if set, the authors' relative global step (needs ``projections=`` and the
       sketched kernels as ``params`` in ``update``).
     momentum: if set, a debiased EMA of the sketches first (a first moment in sketch space).
@@ -166,7 +169,8 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
   """
   if optimizer not in SKETCH_OPTIMIZERS:
     raise ValueError(f'optimizer must be one of {sorted(SKETCH_OPTIMIZERS)}, got {optimizer!r}')
-  base = scale_by_row_adam(b2, eps, preserve_norm) if optimizer == 'row_adam' else scale_by_sketch_sgd()
+  base = (scale_by_row_adam(b2, eps, preserve_norm) if optimizer == 'row_adam'
+          else scale_by_sketch_sgd())
   # None (not 0) means off, so that inject_hyperparams leaves the structure static.
   parts = ([optax.with_extra_args_support(optax.ema(momentum, debias=True))]
            if momentum is not None else [])

@@ -52,7 +52,7 @@ def make_projections(params, seed: int, step: int, ranks=16, kind: str = 'radema
     params: the model's params tree (only shapes are read).
     seed, step: see ``sample_projection`` (pass step=0 for fixed projections).
     ranks: an int, or a ``RankRules`` (per-module ranks by name pattern).
-    kind: 'rademacher' or 'gaussian'.
+    kind: 'rademacher', 'gaussian' or 'orthogonal' (see `sample_projection`).
     patterns: regexes selecting the sketched kernels.
 
   Returns:
