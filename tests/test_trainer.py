@@ -325,6 +325,27 @@ def test_tiny_config_validates():
   assert cfg.optim.name == 'logra' and cfg.model.preset == 'tiny'
 
 
+@pytest.mark.slow
+def test_tiny_default_learns_in_its_first_rl_steps(tmp_path):
+  """The README's main job, cut to its first 200 RL steps: held-out pass@1 must rise.
+
+  Measured with this config: 0.229 after the warm start, 0.465 at step 200. Over 256 held-out
+  problems each figure has a standard error <= 0.032, so their difference ~0.04: a rise of
+  +0.12 is ~2.9 of those below the measured one (room for a platform whose floats draw other
+  samples) and ~3 above what a rule that does not learn would show.
+  """
+  cfg = tiny.get_config()
+  cfg.total_steps = cfg.eval_every = cfg.checkpoint_every = 200
+  lines = []
+  train(config_lib.from_config_dict(cfg), tmp_path, log=lambda *a, **k: lines.append(str(a)))
+  evals = [(r['step'], r['eval_accuracy']) for r in read_metrics(tmp_path)
+           if r.get('eval_accuracy') is not None]
+  assert [s for s, _ in evals] == [0, 200]
+  assert any('supervised warm start' in line for line in lines)  # said plainly in the output
+  assert 0.15 < evals[0][1] < 0.35, evals  # the warm start alone
+  assert evals[1][1] > evals[0][1] + 0.12, evals
+
+
 def test_command_line_typo_fails_naming_the_key(tmp_path):
   out = subprocess.run(
       [sys.executable, os.path.join(ROOT, 'experiments', 'train.py'),
