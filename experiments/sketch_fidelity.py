@@ -29,7 +29,6 @@ flags.DEFINE_integer('seed', 0, 'Model/token seed; projection seeds are seed..se
 flags.DEFINE_integer('num_seeds', 3, 'Projection draws per (kind, rank).')
 flags.DEFINE_list('ranks', ['4', '16', '64', '256'], 'Ranks (capped per matrix at min(K, D)).')
 flags.DEFINE_list('kinds', ['rademacher', 'gaussian', 'orthogonal'], 'Projection kinds.')
-flags.DEFINE_enum('model', 'tiny', ['tiny'], 'Model: the TinyLM below (real models: TODO).')
 flags.DEFINE_integer('d', 256, 'TinyLM width.')
 flags.DEFINE_integer('f', 1024, 'TinyLM MLP width.')
 flags.DEFINE_integer('layers', 2, 'TinyLM layers.')

@@ -190,8 +190,7 @@ def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(setup, dense_grads):
   _, model, params, batch, a = setup
   lr = 1e-3
   opt = optimizers.logra_optimizer(OptimSection(preserve_norm=False, learning_rate=lr), 10)
-  step = jax.jit(steps.make_logra_step(model, loss_config(), opt,
-                                       step_config()._replace(alpha_max=1.0)))
+  step = steps.make_logra_step(model, loss_config(), opt, step_config()._replace(alpha_max=1.0))
   s = jax.tree.map(lambda a_, g: jnp.einsum('lrk,lkd->lrd', a_, g), a,
                    sketch.kernels_of(dense_grads[1], a))
   # Step 1: root = the RMS of each output unit's sketch column, U = −lr·S/(root + ε·mean root).

@@ -90,17 +90,25 @@ def sample_projection(seed, step, name, rank, dim, kind='rademacher', dtype=np.f
   key = np.uint64(projection_key(seed, step, name))
   if kind == 'orthogonal':
     return _orthogonal(key, int(rank), int(dim)).astype(np.float32).astype(dtype)
-  idx = np.arange(1, rank * dim + 1, dtype=np.uint64)
-  with np.errstate(over='ignore'):
-    h = _mix64(key + idx * np.uint64(GOLDEN))
+  h = _element_hashes(key, rank * dim)
   if kind == 'rademacher':
-    signs = 1.0 - 2.0 * (h >> np.uint64(63)).astype(np.float64)
-    out = signs / np.sqrt(rank)
+    out = _signs(h) / np.sqrt(rank)
   else:
     u1 = ((h >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
     u2 = (_mix64(h ^ np.uint64(GAUSS_SALT)) >> np.uint64(11)).astype(np.float64) * 2.0**-53
     out = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2) / np.sqrt(rank)
   return out.astype(np.float32).astype(dtype).reshape(rank, dim)
+
+
+def _element_hashes(key, n):
+  """h_i = mix64(key + (i + 1) * GOLDEN) for i = 0 … n-1 (uint64, wrapping)."""
+  with np.errstate(over='ignore'):
+    return _mix64(key + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(GOLDEN))
+
+
+def _signs(h):
+  """+1.0 where the top bit of h is 0, else -1.0."""
+  return 1.0 - 2.0 * (h >> np.uint64(63)).astype(np.float64)
 
 
 def _hadamard_blocks(dim):
@@ -117,11 +125,8 @@ def _orthogonal(key, rank, dim):
   """The block-SRHT projection (rank, dim) in float64 (see the module docstring)."""
   if rank > dim:
     raise ValueError(f"orthogonal projections need rank <= dim, got rank={rank}, dim={dim}")
-  with np.errstate(over='ignore'):
-    cols = _mix64(key + np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(GOLDEN))
-    order = _mix64((key ^ np.uint64(ROW_SALT))
-                   + np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(GOLDEN))
-  signs = 1.0 - 2.0 * (cols >> np.uint64(63)).astype(np.float64)
+  signs = _signs(_element_hashes(key, dim))
+  order = _element_hashes(key ^ np.uint64(ROW_SALT), dim)
   chosen = np.argsort(order, kind='stable')[:rank]
   blocks = _hadamard_blocks(dim)
   starts = np.array([o for o, _ in blocks])
