@@ -1,4 +1,4 @@
-"""The paper's 27B long run (LOGRA_NOTES §6): RL on 8 hard reasoning-gym tasks with LoGRA,
+"""The paper's 27B long run (docs/method.md §6): RL on 8 hard reasoning-gym tasks with LoGRA,
 SGD sketch, rank 256, 16,384-token context and a tightening predicted-KL budget.
 
 NEEDS GPUS AND WEIGHTS (not runnable on a laptop CPU): a 27B-class model on one node of
@@ -28,7 +28,7 @@ cosine 2e-4 -> 2e-5 over the whole 1,200-step run minus the mismatch EMA, alpha_
 Context 16,384 tokens: 15,360 new tokens after a prompt bucket of <= 1,024. bf16 compute,
 full remat, 32 micro-batches of 4 sequences.
 
-Should reach (LOGRA_NOTES §6): held-out macro score 39.69% -> 62.94% (peak 65.52% at step
+Should reach (docs/method.md §6): held-out macro score 39.69% -> 62.94% (peak 65.52% at step
 1,060); mean answer length 8,312 -> 4,705 tokens; truncation 34.72% -> 12.95%; Table 1 (on
 DAPO-Math): avg 51.54 / peak 53.88 GiB per training GPU, 6.99 updates per hour. Our eval
 logs the micro-averaged held-out accuracy (eval_accuracy), response_length and

@@ -1,4 +1,4 @@
-"""The paper's main 1.5B run (LOGRA_NOTES §5-§7): Qwen2.5-Math-1.5B on DAPO-Math with LoGRA.
+"""The paper's main 1.5B run (docs/method.md §5-§7): Qwen2.5-Math-1.5B on DAPO-Math with LoGRA.
 
 NEEDS GPUS AND WEIGHTS (not runnable on a laptop CPU): the paper used one node of 8xH100 80GB
 (4 training with FSDP, 4 generating). The weights must be on disk; nothing is downloaded.
@@ -28,7 +28,7 @@ from the predicted KL (JVP on 8 sequences) with the budget cosine-annealed 2e-4 
 full rematerialisation, 16 micro-batches of 8 sequences. Eval: 4 samples per MATH-500 problem
 at T = 1.0 (Pass@1 = mean correctness of the 2,000 answers, Pass@4) every 20 steps.
 
-Should reach (LOGRA_NOTES §6, Table 1, mean of 3 seeds): peak MATH-500 Pass@1 67.87%, Pass@4
+Should reach (docs/method.md §6, Table 1, mean of 3 seeds): peak MATH-500 Pass@1 67.87%, Pass@4
 82.47% (dense Adam: 63.77% / 80.33%); training memory avg 7.18 / peak 8.66 GiB per GPU (dense
 9.18 / 9.19); 55.44 updates per hour. The KL-budget ablation measured Pass@1 at steps 700-800
 (annealed budget, SGD sketch: 71.47%): extend with --config.total_steps=800.
@@ -94,7 +94,7 @@ def paper_math_config(preset: str, micro_batches: int, arg=None):
   cfg.total_steps = 300
   cfg.eval_every = 20
   cfg.checkpoint_every = 20
-  cfg.optim.adam_learning_rate = 1e-6  # the dense baseline's AdamW (LOGRA_NOTES §7)
+  cfg.optim.adam_learning_rate = 1e-6  # the dense baseline's AdamW (docs/method.md §7)
   if arg == 'adam':
     cfg.optim.name = 'adam'
     cfg.optim.lr_schedule = 'cosine'

@@ -1,4 +1,4 @@
-"""The paper's main 7B run (LOGRA_NOTES §5-§7): Qwen2.5-Math-7B on DAPO-Math with LoGRA.
+"""The paper's main 7B run (docs/method.md §5-§7): Qwen2.5-Math-7B on DAPO-Math with LoGRA.
 
 NEEDS GPUS AND WEIGHTS (not runnable on a laptop CPU): the paper used one node of 8xH100 80GB
 (4 training with FSDP, 4 generating). The weights must be on disk; nothing is downloaded.
@@ -19,7 +19,7 @@ Rademacher refreshed every step, RowAdam, update_ratio 6e-5, predicted-KL budget
 model and the micro-batching differ: 32 micro-batches of 4 sequences (one per training GPU).
 A missing model.path stops the run at start with an error naming config key model.path.
 
-Should reach (LOGRA_NOTES §6, Table 1, mean of 3 seeds): peak MATH-500 Pass@1 72.33%, Pass@4
+Should reach (docs/method.md §6, Table 1, mean of 3 seeds): peak MATH-500 Pass@1 72.33%, Pass@4
 85.13% (dense Adam: 72.48% / 85.33%, i.e. unchanged accuracy); training memory avg 17.29 /
 peak 22.26 GiB per GPU vs dense 31.82 / 31.85 (-45.7% average); 25.73 updates per hour.
 """

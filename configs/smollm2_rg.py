@@ -12,7 +12,7 @@ located in the installed package, no download) on reasoning-gym `basic_arithmeti
 template with a system prompt asking for the answer in <answer></answer> tags. Reward: the
 'reasoning_gym' verifier (the dataset's own score_answer) on the <answer> tag, else \\boxed{},
 else the LAST NUMBER of the completion; 1 if correct, -0.01 otherwise. The untrained model
-rarely writes the tags (DESIGN.md: 1.6% at T = 1) but its last number is often right, so
+rarely writes the tags (docs/method.md §9: 1.6% at T = 1) but its last number is often right, so
 the last-number fallback is what gives an RL signal. GRPO advantages over 4 samples per
 prompt, REINFORCE with truncated importance sampling; LoGRA rank 32 on every q/k/v/o/gate/up/
 down kernel (Rademacher, refreshed every step), RowAdam, the authors' relative step

@@ -1,6 +1,6 @@
 r"""Memory and time of the sketch path vs dense gradient + randomized SVD, one model/batch.
 
-The randomized-SVD compressor (LOGRA_NOTES.md §8) needs the dense gradient of every kernel, so
+The randomized-SVD compressor (docs/method.md §8) needs the dense gradient of every kernel, so
 it saves no gradient memory; the sketch never forms it. This compiles, for one batch:
   (a) the sketch path: grad w.r.t. the probes (`sketch_value_and_grad`),
   (a') the same plus `sparse_mask_tree` (its extra cost should be negligible),
@@ -23,7 +23,7 @@ import json  # pylint: disable=g-import-not-at-top
 
 from absl import app, flags
 
-from logra_jax.sketch import fidelity
+from logra_jax.analysis import fidelity
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('out_dir', None, 'Where to write compressor_cost.json (none if unset).')

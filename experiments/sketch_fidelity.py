@@ -3,7 +3,7 @@ r"""Sketch fidelity vs rank: cos(Aᵀ(A G), G) per projection kind (the paper's 
 For one batch of a small model, the sketch S = A G of every sketched kernel comes from the
 probe gradient (`sketch_value_and_grad`); it is expanded to Ĝ = Aᵀ S and compared with the
 dense gradient G. The mean cosine over the sketched matrices and a few projection seeds rises
-with rank. Theory (see `logra_jax.sketch.fidelity`): for a random A, E‖AG‖² = ‖G‖² and
+with rank. Theory (see `logra_jax.analysis.fidelity`): for a random A, E‖AG‖² = ‖G‖² and
 E‖AᵀAG‖² = ‖G‖² (R+K±1)/R for any G (i.i.d. entries), so cos ≈ sqrt(R/(R+K±1)) ≈
 sqrt(R/K) when R ≪ K; structure in G does not raise it, and at R = K it is ≈ 1/√2, not 1
 (AᵀA = I only in expectation; the orthogonal kind, AᵀA = (K/R)·P, reaches 1 there).
@@ -21,7 +21,7 @@ import os
 
 from absl import app, flags
 
-from logra_jax.sketch import fidelity
+from logra_jax.analysis import fidelity
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('out_dir', 'runs/sketch_fidelity', 'Where to write the PNG and JSON.')

@@ -96,7 +96,7 @@ def test_reasoning_gym_verifier_falls_back_to_the_last_number():
 
 @pytest.mark.parametrize('name', PAPER)
 def test_paper_configs_match_the_notes(name):
-  """LOGRA_NOTES §5/§7: rank 256, Rademacher refreshed every step, KL budget cosine
+  """docs/method.md §5/§7: rank 256, Rademacher refreshed every step, KL budget cosine
   2e-4 -> 2e-5, alpha_max 3, TIS cap 2, running-baseline REINFORCE (EMA 0.1) with one
   response per prompt, 128 prompts per step, temperature 1, reward 1 / -0.01, bf16."""
   cfg = _config(name)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from logra_jax.sketch import fidelity
+from logra_jax.analysis import fidelity
 from logra_jax.sketch.projection import sample_projection
 
 jax.config.update('jax_enable_x64', True)

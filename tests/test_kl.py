@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from logra_jax import sketch
-from logra_jax.sketch.testing import TinyLM, init_params
+from logra_jax.analysis.tiny_lm import TinyLM, init_params
 
 jax.config.update('jax_enable_x64', True)
 

@@ -3,10 +3,12 @@
 Tolerances: everything runs in float64, where the model and the numpy reference differ only
 by summation order (~1e-15 relative); 1e-9 leaves ample room and still catches any bug.
 """
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers
 
 jax.config.update('jax_enable_x64', True)
 
@@ -181,7 +183,6 @@ def test_linear_mode_jvp_along_probe_equals_jvp_along_kernel():
 def test_hf_config_round_trip_and_transformers_config():
   c = PRESETS['qwen2.5-math-1.5b']
   assert ModelConfig.from_hf_config(c.to_hf_config()) == c
-  transformers = pytest.importorskip('transformers')
   hf = transformers.LlamaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2,
                                 intermediate_size=32, rope_theta=500000.0,
@@ -222,7 +223,6 @@ def init_abstract(name):
 
 
 def test_smollm2_preset_matches_packaged_gguf():
-  gguf = pytest.importorskip('gguf')
   from logra_jax.models.gguf_io import packaged_smollm2_gguf
   path = packaged_smollm2_gguf()
   fields = gguf.GGUFReader(str(path)).fields

@@ -8,7 +8,7 @@ import pytest
 from flax import traverse_util
 
 from logra_jax import sketch
-from logra_jax.sketch.testing import TinyLM, init_params
+from logra_jax.analysis.tiny_lm import TinyLM, init_params
 
 jax.config.update('jax_enable_x64', True)
 

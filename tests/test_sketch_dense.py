@@ -7,7 +7,7 @@ import pytest
 from flax import traverse_util
 
 from logra_jax import sketch
-from logra_jax.sketch.testing import TinyLM, init_params, token_nll
+from logra_jax.analysis.tiny_lm import TinyLM, init_params, token_nll
 
 jax.config.update('jax_enable_x64', True)
 # float64 end to end: the identity is exact algebra, so only rounding separates the two sides.

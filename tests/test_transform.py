@@ -14,7 +14,7 @@ jax.config.update('jax_enable_x64', True)
 
 
 def numpy_row_adam(sketches, b2=0.95, eps=1e-8):
-  """The authors' RowAdam as written (LOGRA_NOTES.md §7), paper layout S^T (D, R), float64."""
+  """The authors' RowAdam as written (docs/method.md §7), paper layout S^T (D, R), float64."""
   v, outs = None, []
   for t, s in enumerate(sketches, start=1):
     s = np.asarray(s, np.float64).T  # (D, R): one row per output unit

@@ -10,16 +10,16 @@ shows it), so a bound of 2e-5 of the scale is 5x above the noise and far below a
 import json
 import os
 
+import gguf
 import jax
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from logra_jax import models
 from logra_jax.models import gguf_io, hf_io
 
-torch = pytest.importorskip('torch')
-transformers = pytest.importorskip('transformers')
-gguf = pytest.importorskip('gguf')
 # One torch thread: with 2 cores shared with JAX (and other jobs) torch's OpenMP threads spin
 # against each other; measured 25 s -> 1.2 s for a 16-token HF generate here.
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Other low-rank gradient compressors offered beside the sketch (LOGRA_NOTES.md §8).
+"""Other low-rank gradient compressors offered beside the sketch (docs/method.md §8).
 
 * ``randomized_svd_compress`` — the second seed's GaLore-style projector: a random range
   finder of width 2r, an economy SVD, keep the top r. It needs the DENSE gradient G, so it

@@ -1,4 +1,4 @@
-"""Predicted KL of a candidate update and the step size it allows (LOGRA_NOTES.md §4).
+"""Predicted KL of a candidate update and the step size it allows (docs/method.md §4).
 
 mean_s KL(π_θ ‖ π_{θ+αD}) = α² q(D) + O(α³),
 q(D) = 1/(2|P|T²) Σ_s Var_{v∼softmax(z_s/T)}[ż_v(s)],   α = min(α_max, sqrt(δ/q)).

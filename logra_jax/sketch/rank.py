@@ -1,6 +1,6 @@
 """Rank control: per-module ranks, a dynamic rank schedule, the rank heuristic.
 
-From the second seed (LOGRA_NOTES.md §8). A rank change changes the projection shapes, so a
+From the second seed (docs/method.md §8). A rank change changes the projection shapes, so a
 jitted step recompiles once per distinct rank; RowAdam state is per output unit and survives.
 """
 import dataclasses

@@ -1,7 +1,7 @@
 """optax GradientTransformations over the sketch tree (RowAdam, SGD, the relative step).
 
 Layout: a sketch leaf is S (…, R, D) — rank axis -2, output units on the last axis (and on
-any leading layer axis). One RowAdam second moment per output unit (LOGRA_NOTES.md §3, §7).
+any leading layer axis). One RowAdam second moment per output unit (docs/method.md §3, §7).
 1-D leaves and scalars are accepted too: there each element is its own output unit.
 """
 from typing import Any, NamedTuple, Optional

@@ -33,7 +33,7 @@ from flax import traverse_util
 from logra_jax.sketch.compress import randomized_svd_compress, sparse_mask_tree
 from logra_jax.sketch.projection import KINDS
 from logra_jax.sketch.rank import RankRules
-from logra_jax.sketch.testing import TinyLM, init_params, token_nll
+from logra_jax.analysis.tiny_lm import TinyLM, init_params, token_nll
 from logra_jax.sketch.tree import (make_projections, path_str, select, sketch_value_and_grad,
                                    target_paths)
 from logra_jax.sketch.update import expand_update
