@@ -19,6 +19,13 @@ def x64():
     yield
 
 
+@pytest.fixture(scope='module')
+def x64_module():
+  """float64 for a whole module whose module-scoped fixtures build float64 references."""
+  with jax.enable_x64(True):
+    yield
+
+
 # No silent skips. A skip must say why; and under CI (CI=true) every skip fails the run, so a
 # test file that must run (vLLM, the real model) cannot go green by not running.
 _SKIPS = []

@@ -10,8 +10,6 @@ from flax import traverse_util
 from logra_jax import sketch
 from logra_jax.analysis.tiny_lm import TinyLM, init_params
 
-jax.config.update('jax_enable_x64', True)
-
 
 def test_dynamic_rank_and_heuristic():
   # r_t = 32 + ceil(96·tanh(t/1000)): t=0 → 32; t=1000 → 32 + ceil(73.11) = 106.
@@ -43,7 +41,7 @@ def test_per_module_ranks_and_rank_change_keeps_row_adam_state():
     sketch.RankRules(rules=(('x', 0),))
 
 
-def test_sparse_mask_is_unbiased():
+def test_sparse_mask_is_unbiased(x64):
   s = jnp.asarray(np.random.default_rng(0).normal(size=(3, 10)))
   masked = jax.vmap(lambda k: sketch.sparse_mask_sketch(s, k, 0.3))(
       jax.random.split(jax.random.key(0), 20000))
@@ -56,7 +54,7 @@ def test_sparse_mask_is_unbiased():
   assert np.all(np.abs(masked.mean(0) - s) < bound)
 
 
-def test_randomized_svd_is_the_best_rank_r_approximation():
+def test_randomized_svd_is_the_best_rank_r_approximation(x64):
   rng = np.random.default_rng(0)
   g = rng.normal(size=(20, 6)) @ np.diag([10, 5, 3, 1, 0.5, 0.1]) @ rng.normal(size=(6, 15))
   left, s, right = sketch.randomized_svd_compress(jnp.asarray(g), 3, jax.random.key(0),
@@ -68,7 +66,7 @@ def test_randomized_svd_is_the_best_rank_r_approximation():
   np.testing.assert_allclose(s, sv[:3], rtol=1e-12)
 
 
-def test_apply_sketch_updates_only_touches_kernels_and_jits_donated():
+def test_apply_sketch_updates_only_touches_kernels_and_jits_donated(x64):
   model = TinyLM()
   params = init_params(model, jax.random.key(0), jnp.zeros((1, 3), jnp.int32))
   a = sketch.make_projections(params, 0, 1, 2, dtype=jnp.float64)

@@ -10,8 +10,6 @@ import pytest
 
 from logra_jax import sketch
 
-jax.config.update('jax_enable_x64', True)
-
 
 def numpy_row_adam(sketches, b2=0.95, eps=1e-8):
   """The authors' RowAdam as written (docs/method.md §7), paper layout S^T (D, R), float64."""
@@ -30,7 +28,7 @@ def numpy_row_adam(sketches, b2=0.95, eps=1e-8):
   return outs
 
 
-def test_row_adam_matches_numpy_and_keeps_the_norm():
+def test_row_adam_matches_numpy_and_keeps_the_norm(x64):
   rng = np.random.default_rng(0)
   seq = [rng.normal(size=(4, 6)) * rng.uniform(0.1, 10, size=(1, 6)) for _ in range(5)]
   opt = sketch.scale_by_row_adam()
@@ -45,7 +43,7 @@ def test_row_adam_matches_numpy_and_keeps_the_norm():
   assert int(state.count) == 5
 
 
-def test_row_adam_without_norm_preservation_is_the_plain_row_scaling():
+def test_row_adam_without_norm_preservation_is_the_plain_row_scaling(x64):
   # preserve_norm=False: D = S / (root + eps·mean root), Adam's scale-free magnitude (a unit
   # whose sketch is steady gets entries of size ~1 whatever the gradient's scale).
   rng = np.random.default_rng(2)
@@ -67,7 +65,7 @@ def test_row_adam_without_norm_preservation_is_the_plain_row_scaling():
   assert abs(np.sqrt(np.mean(np.square(free))) - 1) < 0.5  # ≈ unit RMS at step 1
 
 
-def test_row_adam_stacked_layers_per_matrix_and_zero_sketch():
+def test_row_adam_stacked_layers_per_matrix_and_zero_sketch(x64):
   rng = np.random.default_rng(1)
   s = rng.normal(size=(3, 4, 6))
   opt = sketch.scale_by_row_adam()
@@ -93,7 +91,7 @@ def test_row_adam_keeps_dtype_state_fp32_and_no_recompile():
   assert step._cache_size() == n
 
 
-def test_sgd_sketch_and_relative_step():
+def test_sgd_sketch_and_relative_step(x64):
   a = {'w': jnp.asarray(sketch.sample_projection(0, 0, 'w', 2, 5), jnp.float64)}
   w = {'w': jnp.asarray(np.random.default_rng(2).normal(size=(5, 3)))}
   s = {'w': jnp.asarray(np.random.default_rng(3).normal(size=(2, 3)))}
@@ -139,7 +137,7 @@ def _optax_contract_module():
 OptaxContractTest = _optax_contract_module().ContribTest
 
 
-def test_sketch_momentum_is_a_debiased_ema_before_row_adam():
+def test_sketch_momentum_is_a_debiased_ema_before_row_adam(x64):
   # optax.ema with debias: e_t = (Σ_i m^{t-i}(1−m) S_i) / (1 − m^t); e_1 = S_1 and
   # e_2 = (m(1−m) S_1 + (1−m) S_2) / (1 − m²) = (m S_1 + S_2) / (1 + m).
   m = 0.5
