@@ -1,0 +1,341 @@
+"""The update payload `logra-update/1`: one safetensors blob, HF names and layouts (docs/bridge.md).
+
+numpy and safetensors only, and no other module of ours, so that a generator in another
+environment (vLLM's) loads this file by path and passes `logra_jax/sketch/projection.py`, loaded
+the same way, as ``projection``.
+
+    full:     <name>            the new tensor (HF layout), float32 or float16
+    lowrank:  <name>.U          (d_out, r): W ← W + U @ A, A = sample_projection(seed, step, name)
+              <name>.U.scale    (d_out,) float32 per-row scales (u_dtype fp8-e4m3 / int4)
+              <name>.A          (r, d_in) float32, optional: A sent instead of rebuilt
+
+Metadata (all strings): format, kind, base_version, new_version and, for lowrank, seed, step,
+projection, u_dtype, A_sha256 (JSON {name: checksum}). `decode` validates everything — names,
+shapes, dtypes, finiteness, checksums, versions, whole fused groups — before the caller
+touches a weight, and raises `UpdateError(status, message)` (400 malformed, 409 stale base).
+"""
+import dataclasses
+import json
+import re
+from typing import Mapping, Optional
+
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+FORMAT = 'logra-update/1'
+KINDS = ('full', 'lowrank')
+U_DTYPES = ('fp32', 'bf16', 'fp8-e4m3', 'int4')
+FUSED = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_proj',
+         'gate_proj': 'gate_up_proj', 'up_proj': 'gate_up_proj'}
+_LAYER = re.compile(r'^(model\.layers\.\d+\.(?:self_attn|mlp)\.)(\w+)\.(weight|bias)$')
+
+
+class UpdateError(ValueError):
+  """A refused update: HTTP ``status`` and a message naming what is wrong."""
+
+  def __init__(self, status: int, message: str):
+    super().__init__(message)
+    self.status = status
+
+
+@dataclasses.dataclass(frozen=True)
+class Update:
+  """A validated update: new tensors (full) or dense deltas U @ A (lowrank), float32."""
+  kind: str
+  base_version: str
+  new_version: str
+  tensors: Mapping[str, np.ndarray]  # full: the new value; lowrank: the delta to add
+
+
+# --- low-precision U ------------------------------------------------------------------------
+
+
+def _bf16_bits(x):
+  """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+  bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+  rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+  return (rounded >> 16).astype(np.uint16)
+
+
+def _e4m3_table():
+  """The 126 finite non-negative float8 e4m3fn values (bits 0 … 0x7E), ascending."""
+  bits = np.arange(0x7F)
+  exp, man = bits >> 3, bits & 7
+  return np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0**(exp - 7)).astype(np.float32)
+
+
+_E4M3 = _e4m3_table()
+
+
+def _to_e4m3(x):
+  """float32 in [-448, 448] -> e4m3fn bytes (nearest value; ties to the lower magnitude)."""
+  mag = np.abs(x)
+  hi = np.clip(np.searchsorted(_E4M3, mag), 1, len(_E4M3) - 1)
+  lo = hi - 1
+  idx = np.where(mag - _E4M3[lo] <= _E4M3[hi] - mag, lo, hi).astype(np.uint8)
+  return idx | np.where(x < 0, 0x80, 0).astype(np.uint8)
+
+
+def _row_scales(u, top):
+  peak = np.max(np.abs(u), axis=1)
+  return np.where(peak > 0, peak / top, 1.0).astype(np.float32)
+
+
+def quantize_u(u, u_dtype: str) -> dict:
+  """{'': stored U, '.scale': per-row scales if any} for ``<name>.U``."""
+  u = np.asarray(u, np.float32)
+  if u_dtype == 'fp32':
+    return {'': u}
+  if u_dtype == 'bf16':
+    return {'': _bf16_bits(u)}
+  if u_dtype == 'fp8-e4m3':
+    scale = _row_scales(u, 448.0)
+    return {'': _to_e4m3(u / scale[:, None]), '.scale': scale}
+  if u_dtype == 'int4':
+    scale = _row_scales(u, 7.0)
+    q = (np.clip(np.rint(u / scale[:, None]), -7, 7).astype(np.int8) + 8).astype(np.uint8)
+    if q.shape[1] % 2:
+      q = np.pad(q, ((0, 0), (0, 1)), constant_values=8)
+    return {'': q[:, 0::2] | (q[:, 1::2] << 4), '.scale': scale}
+  raise ValueError(f'u_dtype must be one of {U_DTYPES}, got {u_dtype!r}')
+
+
+def dequantize_u(stored, scale, u_dtype: str, rank: Optional[int] = None):
+  """Inverse of `quantize_u` (``rank`` = r for int4, whose rows are packed two per byte)."""
+  if u_dtype == 'fp32':
+    return np.asarray(stored, np.float32)
+  if u_dtype == 'bf16':
+    return (stored.astype(np.uint32) << 16).view(np.float32)
+  if u_dtype == 'fp8-e4m3':
+    mag = _E4M3[np.minimum(stored & 0x7F, len(_E4M3) - 1)]
+    return np.where(stored & 0x80, -mag, mag) * scale[:, None]
+  q = np.stack([stored & 0xF, stored >> 4], axis=-1).reshape(stored.shape[0], -1)
+  return (q[:, :rank].astype(np.float32) - 8) * scale[:, None]
+
+
+_STORED_DTYPE = {'fp32': np.float32, 'bf16': np.uint16, 'fp8-e4m3': np.uint8, 'int4': np.uint8}
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+
+def _version(v) -> str:
+  s = str(v)
+  if not s.isdigit():
+    raise ValueError(f'weight versions are decimal integer strings, got {v!r}')
+  return s
+
+
+def encode_full(tensors: Mapping[str, np.ndarray], base_version, new_version) -> bytes:
+  """A full-weights blob: every tensor in HF layout (float32 or float16)."""
+  meta = {'format': FORMAT, 'kind': 'full', 'base_version': _version(base_version),
+          'new_version': _version(new_version)}
+  return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def encode_lowrank(factors: Mapping[str, np.ndarray], d_in: Mapping[str, int], *, seed: int,
+                   step: int, kind: str, base_version, new_version, projection,
+                   u_dtype: str = 'fp32', send_a: bool = False) -> bytes:
+  """A low-rank blob: per HF weight name, U (d_out, r) with W ← W + U @ A.
+
+  Args:
+    factors: {HF name: U (d_out, r)}; d_in: {HF name: the weight's input dimension}.
+    seed, step, kind: the projection derivation (`projection.sample_projection`).
+    base_version, new_version: the weights this applies to, and their version after it.
+    projection: the module `logra_jax.sketch.projection` (numpy only).
+    u_dtype: how U travels: fp32, bf16, fp8-e4m3 or int4 (the last two with per-row scales).
+    send_a: also send every A explicitly (then the receiver needs no derivation).
+  """
+  meta = {'format': FORMAT, 'kind': 'lowrank', 'base_version': _version(base_version),
+          'new_version': _version(new_version), 'seed': str(int(seed)), 'step': str(int(step)),
+          'projection': kind, 'u_dtype': u_dtype}
+  tensors, sums, ranks = {}, {}, {}
+  for name, u in factors.items():
+    if not is_projection_weight(name):
+      raise ValueError(f'low-rank updates apply to projection weights '
+                       f'(model.layers.N.self_attn|mlp.X.weight), got {name!r}')
+    a = projection.sample_projection(int(seed), int(step), name, u.shape[1], d_in[name], kind)
+    sums[name], ranks[name] = projection.projection_checksum(a), int(u.shape[1])
+    for suffix, value in quantize_u(u, u_dtype).items():
+      tensors[f'{name}.U{suffix}'] = np.ascontiguousarray(value)
+    if send_a:
+      tensors[f'{name}.A'] = np.ascontiguousarray(a, np.float32)
+  meta['A_sha256'] = json.dumps(sums, sort_keys=True)
+  meta['ranks'] = json.dumps(ranks, sort_keys=True)
+  return st_save(tensors, metadata=meta)
+
+
+def is_projection_weight(name: str) -> bool:
+  m = _LAYER.match(name)
+  return bool(m) and m.group(3) == 'weight'
+
+
+# --- decoding and validation ----------------------------------------------------------------
+
+
+def _refuse(message, status=400):
+  raise UpdateError(status, message)
+
+
+def read_blob(blob: bytes):
+  """(tensors, metadata) of a safetensors blob, or a 400 naming why it is not one."""
+  if len(blob) < 8:
+    _refuse(f'update blob is {len(blob)} bytes: not a safetensors file')
+  header_len = int.from_bytes(blob[:8], 'little')
+  if header_len > len(blob) - 8:
+    _refuse('update blob is truncated: its safetensors header is longer than the blob')
+  try:
+    header = json.loads(blob[8:8 + header_len])
+    tensors = st_load(blob)
+  except Exception as e:  # safetensors raises its own error types for every malformation
+    _refuse(f'update blob is not a valid safetensors file: {type(e).__name__}: {e}')
+  meta = header.get('__metadata__') if isinstance(header, dict) else None
+  if not isinstance(meta, dict):
+    _refuse('update blob has no safetensors metadata (format, kind, versions)')
+  return tensors, meta
+
+
+def _check_versions(meta, current_version):
+  for key in ('base_version', 'new_version'):
+    if not str(meta.get(key, '')).isdigit():
+      _refuse(f'metadata {key} must be a decimal integer string, got {meta.get(key)!r}')
+  if meta['base_version'] != str(current_version):
+    _refuse(f'update applies to version {meta["base_version"]}, but this generator serves '
+            f'version {current_version}: send full weights', status=409)
+  if int(meta['new_version']) <= int(meta['base_version']):
+    _refuse(f'new_version {meta["new_version"]} must be greater than base_version '
+            f'{meta["base_version"]}')
+
+
+def _finite(name, x):
+  if not np.all(np.isfinite(x)):
+    _refuse(f'tensor {name} has non-finite values')
+
+
+def _check_groups(names, spec):
+  """Every fused group (q/k/v, gate/up) that is touched is touched whole, per layer."""
+  touched = {}
+  for name in names:
+    m = _LAYER.match(name)
+    if m and m.group(2) in FUSED:
+      touched.setdefault((m.group(1), FUSED[m.group(2)], m.group(3)), set()).add(name)
+  for (prefix, group, kind), got in sorted(touched.items()):
+    members = {f'{prefix}{mod}.{kind}' for mod, g in FUSED.items() if g == group}
+    members &= set(spec)
+    if got != members:
+      _refuse(f'update touches part of the fused group {prefix}{group} ({kind}): '
+              f'missing {sorted(members - got)}; send whole groups')
+
+
+def _decode_full(tensors, spec):
+  out = {}
+  for name, x in tensors.items():
+    if name not in spec:
+      _refuse(f'unknown tensor name {name!r}')
+    if tuple(x.shape) != tuple(spec[name]):
+      _refuse(f'tensor {name} has shape {tuple(x.shape)}, expected {tuple(spec[name])}')
+    if x.dtype not in (np.float32, np.float16):
+      _refuse(f'tensor {name} has dtype {x.dtype}; full updates are float32 or float16')
+    _finite(name, x)
+    out[name] = x.astype(np.float32)
+  return out
+
+
+def _lowrank_meta(meta):
+  try:
+    seed, step = int(meta['seed']), int(meta['step'])
+    sums, ranks = json.loads(meta['A_sha256']), json.loads(meta['ranks'])
+    kind, u_dtype = meta['projection'], meta['u_dtype']
+  except (KeyError, ValueError, TypeError) as e:
+    _refuse(f'low-rank metadata needs seed, step, projection, u_dtype, ranks and A_sha256: '
+            f'{type(e).__name__}: {e}')
+  if seed < 0 or step < 0 or not isinstance(sums, dict) or not isinstance(ranks, dict):
+    _refuse('low-rank metadata: seed and step must be >= 0, A_sha256 and ranks JSON objects')
+  if u_dtype not in U_DTYPES:
+    _refuse(f'u_dtype must be one of {U_DTYPES}, got {u_dtype!r}')
+  return seed, step, kind, u_dtype, sums, ranks
+
+
+def _split_lowrank(tensors, spec):
+  """{weight name: {'U', 'U.scale', 'A'}} with every tensor name checked."""
+  parts = {}
+  for name in tensors:
+    suffix = next((x for x in ('.U.scale', '.U', '.A') if name.endswith(x)), None)
+    if suffix is None:
+      _refuse(f'unknown tensor name {name!r} in a low-rank update (<weight>.U, .U.scale, .A)')
+    base = name[:-len(suffix)]
+    if base not in spec or not is_projection_weight(base):
+      _refuse(f'unknown weight {base!r}: low-rank updates apply to projection weights')
+    parts.setdefault(base, {})[suffix[1:]] = tensors[name]
+  return parts
+
+
+def _lowrank_delta(name, part, shape, seed, step, kind, u_dtype, sums, rank, projection):
+  d_out, d_in = shape
+  if 'U' not in part:
+    _refuse(f'{name}: a low-rank update needs {name}.U')
+  if not isinstance(rank, int) or not 1 <= rank <= d_in:
+    _refuse(f'{name}: rank {rank!r} (metadata ranks) must be an integer in [1, {d_in}]')
+  stored, scale = part['U'], part.get('U.scale')
+  cols = (rank + 1) // 2 if u_dtype == 'int4' else rank
+  if stored.dtype != _STORED_DTYPE[u_dtype] or stored.shape != (d_out, cols):
+    _refuse(f'{name}.U has shape {tuple(stored.shape)} and dtype {stored.dtype}; expected '
+            f'({d_out}, {cols}) of {np.dtype(_STORED_DTYPE[u_dtype])} for rank {rank}, '
+            f'u_dtype {u_dtype}')
+  needs_scale = u_dtype in ('fp8-e4m3', 'int4')
+  if needs_scale != (scale is not None) or (needs_scale and (
+      scale.shape != (d_out,) or scale.dtype != np.float32)):
+    _refuse(f'{name}.U.scale must be float32 ({d_out},) exactly when u_dtype is fp8-e4m3 or int4')
+  if needs_scale:
+    _finite(f'{name}.U.scale', scale)
+  u = dequantize_u(stored, scale, u_dtype, rank)
+  _finite(f'{name}.U', u)
+  if 'A' in part:
+    a = part['A']
+    if a.dtype != np.float32 or a.shape != (rank, d_in):
+      _refuse(f'{name}.A must be float32 ({rank}, {d_in}), got {a.dtype} {tuple(a.shape)}')
+    _finite(f'{name}.A', a)
+  else:
+    try:
+      a = projection.sample_projection(seed, step, name, rank, d_in, kind)
+    except ValueError as e:
+      _refuse(f'{name}: cannot rebuild A: {e}')
+  if sums.get(name) != projection.projection_checksum(a):
+    _refuse(f'{name}: A checksum mismatch (sent {sums.get(name)!r}): the projection derivation, '
+            'seed, step or name differ between trainer and generator')
+  return u @ a.astype(np.float32)
+
+
+def decode(blob: bytes, spec: Mapping[str, tuple], current_version, projection) -> Update:
+  """Validates a blob against the generator's tensors ``spec`` {HF name: shape}.
+
+  Returns an `Update` whose tensors are float32 and finite; raises `UpdateError` before any
+  weight is touched. ``projection``: `logra_jax/sketch/projection.py` as a module.
+  """
+  tensors, meta = read_blob(blob)
+  if meta.get('format') != FORMAT:
+    _refuse(f'metadata format must be {FORMAT!r}, got {meta.get("format")!r}')
+  if meta.get('kind') not in KINDS:
+    _refuse(f'metadata kind must be one of {KINDS}, got {meta.get("kind")!r}')
+  _check_versions(meta, current_version)
+  if not tensors:
+    _refuse('update blob holds no tensors')
+  if meta['kind'] == 'full':
+    out = _decode_full(tensors, spec)
+  else:
+    seed, step, kind, u_dtype, sums, ranks = _lowrank_meta(meta)
+    parts = _split_lowrank(tensors, spec)
+    out = {name: _lowrank_delta(name, part, tuple(spec[name]), seed, step, kind, u_dtype, sums,
+                                ranks.get(name), projection) for name, part in parts.items()}
+    for name, delta in out.items():
+      _finite(f'{name} (U @ A)', delta)
+  _check_groups(out, spec)
+  return Update(meta['kind'], meta['base_version'], meta['new_version'], out)
+
+
+def apply(weights: Mapping[str, np.ndarray], update: Update) -> dict:
+  """New {name: float32 array} for the touched names (the inputs are not modified)."""
+  if update.kind == 'full':
+    return {k: v.copy() for k, v in update.tensors.items()}
+  return {k: np.asarray(weights[k], np.float32) + d for k, d in update.tensors.items()}
