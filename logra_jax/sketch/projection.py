@@ -29,13 +29,14 @@ another process, machine or framework rebuilds the same A from the seed:
       ``c = COS_Q30[6]``, ``c = COS_Q30[k] - mulhi(c, x2)`` for k = 5 … 0,
       ``cos = 2**30 - min(mulhi(c, x2), 2**30)``; ``s = SIN_Q30[6]``, ``s = SIN_Q30[k] -
       mulhi(s, x2)`` for k = 5 … 0, ``sin = mulhi(s, x)``; negative for q in {1, 2}.
-    - ``z = ±mulhi(rad, cos or sin)`` (Q27, |z| < 2**30) and
-      ``A_i = float32(z) * float32(s_R * 2**-27)`` (one rounding each).
+    - ``z = ±mulhi(rad, cos or sin)`` (Q27: |z| 2**-27 <= 6.67, so |z| < 2**30) and
+      ``A_i = float32(z) * (s_R * 2**-27)`` in float32: the conversion and the product
+      each round once to nearest-even (the constant is exact).
     The coefficient tables (literal below) are ``LOG_Q31[k] = round(2**31 / (k + 1))``,
     ``SIN_Q30[k] = round((pi/2)**(2k+1) / (2k+1)! * 2**30)``, ``COS_Q30[k] =
     round((pi/2)**(2k+2) / (2k+2)! * 2**30)``, ``LN2_Q59 = round(ln 2 * 2**59)``. The
-    result is N(0, 1/R) up to ~1e-8 absolute (fixed-point truncation; |z| <= 6.66 since
-    u1 >= 2**-32).
+    result is float64 Box–Muller of the same u1, u2 = v 2**-32 within 1e-7 absolute in
+    z (measured 1.3e-8), so N(0, 1/R) up to a tail cut at |z| = 6.66 (u1 >= 2**-32).
   * Orthogonal (a block subsampled randomised Hadamard transform, R ≤ K): write K as a sum
     of powers of two, largest first (K = 576 → blocks of 512 and 64 at offsets 0 and 512).
     Column signs ``d_j`` are the Rademacher signs of elements ``j = 0 … K-1`` above. The K
@@ -43,8 +44,9 @@ another process, machine or framework rebuilds the same A from the seed:
     ``mix64((key ^ ROW_SALT) + (g + 1) * GOLDEN)`` for candidate ``g`` (ascending, ties by
     ``g``), and the first R are taken. Selected row (b, l) is zero outside its block and
     ``A[o_b + c] = d_{o_b + c} · (-1)^popcount(l & c) · sqrt(K / (R · n_b))`` inside it
-    (block offset ``o_b``, size ``n_b``; the sqrt in float64, then rounded to float32). The rows are orthogonal: A Aᵀ = (K/R) I, and AᵀA =
-    (K/R) P with P a random rank-R orthogonal projection; at R = K, AᵀA = I exactly.
+    (block offset ``o_b``, size ``n_b``; the sqrt in float64, then rounded to float32).
+    The rows are orthogonal: A Aᵀ = (K/R) I, and AᵀA = (K/R) P with P a random rank-R
+    orthogonal projection; at R = K, AᵀA = I exactly.
     The sketch's reconstruction cosine is sqrt(R/K), against sqrt(R/(R+K)) for i.i.d. A.
 
 Stacked (scanned) layers use the name ``f"{path}/{layer}"`` for layer ``layer``.
