@@ -246,24 +246,31 @@ def make_projections_jax(params, seed, step, ranks=16, kind='rademacher',
   """``tree.make_projections`` on device: the same tree, bit for bit, inside jit.
 
   ``seed``/``step`` may be traced scalars; ranks and shapes are static. A stacked kernel
-  (L, K, D) gets (L, R, K) from the names f'{path}/{l}' (vmapped over their hashes). Each A
+  (L, K, D) gets (L, R, K) from the names f'{path}/{l}'. Every A of one (R, K) is drawn by
+  one vmapped call over its name hashes (one compiled generator per distinct shape). Each A
   is in ``dtype`` where ``exact_dtype`` allows it (bfloat16: Rademacher at R = 4**k, ...),
   else in float32.
   """
   rules = ranks if isinstance(ranks, RankRules) else RankRules(default=int(ranks))
   flat = traverse_util.flatten_dict(params)
-  out = {}
+  groups = {}
   for path in target_paths(params, patterns):
     shape, name = flat[path].shape, path_str(path)
-    d_in, d_out = shape[-2:]
-    r = rules.rank(name, d_in, d_out)
-    dt = P.exact_dtype(kind, r, d_in, dtype)
+    if len(shape) not in (2, 3):
+      raise ValueError(f'sketched kernel {name} must be 2-D or layer-stacked 3-D, got {shape}')
+    r = rules.rank(name, *shape[-2:])
+    hashes = (layer_name_hashes(name, shape[0]) if len(shape) == 3
+              else name_hash_array(name)[None])
+    key = (r, shape[-2], P.exact_dtype(kind, r, shape[-2], dtype))
+    groups.setdefault(key, []).append((path, len(shape) == 3, hashes))
+  out = {}
+  for (r, d_in, dt), items in groups.items():
     draw = functools.partial(sample_projection_jax, seed, step, rank=r, dim=d_in, kind=kind,
                              dtype=dt)
-    if len(shape) == 2:
-      out[path] = draw(P.name_hash(name))
-    elif len(shape) == 3:
-      out[path] = jax.vmap(draw)(jnp.asarray(layer_name_hashes(name, shape[0])))
-    else:
-      raise ValueError(f'sketched kernel {name} must be 2-D or layer-stacked 3-D, got {shape}')
+    a_NxRxK = jax.vmap(draw)(jnp.asarray(np.concatenate([h for _, _, h in items])))
+    start = 0
+    for path, stacked, hashes in items:
+      a = a_NxRxK[start:start + len(hashes)]
+      out[path] = a if stacked else a[0]
+      start += len(hashes)
   return traverse_util.unflatten_dict(out)
