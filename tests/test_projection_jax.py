@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import traverse_util
 from jax import lax
 
 from logra_jax.sketch import projection as P
@@ -44,28 +45,33 @@ def test_bit_identical_to_numpy_every_shape_and_step(kind):
 def _params():
   sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   return {'layers': {'attn': {'q_proj': {'kernel': sds(3, 12, 8)}}, 'norm': {'scale': sds(12)}},
-          'mlp': {'up_proj': {'kernel': sds(20, 6)}}}
+          'mlp': {'up_proj': {'kernel': sds(20, 6)}, 'v_proj': {'kernel': sds(12, 5)},
+                  'k_proj': {'kernel': sds(2, 12, 7)}}}
 
 
 def test_tree_under_jit_one_compile_for_every_step():
-  """make_projections_jax == make_projections at every step; bfloat16 only where exact."""
+  """make_projections_jax == make_projections at every step; bfloat16 only where exact.
+
+  q, k (stacked) and v (2-D) share R = 4, K = 12, so one vmapped draw makes all three.
+  """
   params, traces = _params(), []
-  rules = RankRules((('q_proj', 4),), default=3)  # R = 4: 1/2 in bf16; R = 3: float32
+  rules = RankRules((('[qkv]_proj', 4),), default=3)  # R = 4: 1/2 in bf16; R = 3: float32
 
   @jax.jit
   def tree_at(seed, step):
     traces.append(1)
     return PJ.make_projections_jax(params, seed, step, rules, 'rademacher',
                                    dtype=jnp.bfloat16)
+  shapes = {('layers', 'attn', 'q_proj', 'kernel'): ((3, 4, 12), jnp.bfloat16),
+            ('mlp', 'k_proj', 'kernel'): ((2, 4, 12), jnp.bfloat16),
+            ('mlp', 'v_proj', 'kernel'): ((4, 12), jnp.bfloat16),
+            ('mlp', 'up_proj', 'kernel'): ((3, 20), jnp.float32)}
   for step in (0, 1, 9, 2**31 - 1):
-    got = tree_at(jnp.int32(5), jnp.int32(step))
-    want = make_projections(params, 5, step, rules, 'rademacher')
-    q, up = got['layers']['attn']['q_proj']['kernel'], got['mlp']['up_proj']['kernel']
-    assert (q.shape, q.dtype, up.shape, up.dtype) == ((3, 4, 12), jnp.bfloat16, (3, 20),
-                                                      jnp.float32)
-    np.testing.assert_array_equal(bits(q.astype(jnp.float32)),
-                                  bits(want['layers']['attn']['q_proj']['kernel']))
-    np.testing.assert_array_equal(bits(up), bits(want['mlp']['up_proj']['kernel']))
+    got = traverse_util.flatten_dict(tree_at(jnp.int32(5), jnp.int32(step)))
+    want = traverse_util.flatten_dict(make_projections(params, 5, step, rules, 'rademacher'))
+    assert {p: (a.shape, a.dtype) for p, a in got.items()} == shapes
+    for path, a in got.items():
+      np.testing.assert_array_equal(bits(a.astype(jnp.float32)), bits(want[path]))
   assert len(traces) == 1 and tree_at._cache_size() == 1
 
 
