@@ -1,0 +1,121 @@
+"""The trainer on a fleet of generation servers (`rollout.engine = 'http'`).
+
+`FleetGenerator` is the loop's `Generator` for servers given by `rollout.urls`, or for
+`rollout.launch` local JAX-engine servers it starts (and stops) itself from an HF export of the
+starting policy. After each step `sync` broadcasts the update: LoGRA's α·U as a low-rank blob
+(A rebuilt by every server from the step's seed and the HF names), full weights for the dense
+baselines, after a 409, and every `rollout.full_sync_every` steps (the anchor). It logs the
+bytes, the time and the drift between the trainer's weights and the generators' (the mirror
+holds exactly what the servers computed: the same fp32 arithmetic on the same blobs).
+"""
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+
+from logra_jax.bridge import sync
+from logra_jax.bridge.client import Fleet, ServerClient
+from logra_jax.models import hf_io
+from logra_jax.train.config import TrainConfig
+
+
+def launch_servers(model_dir: str, n: int, token: str, log_dir: str, pad_id: int = 0):
+  """Starts ``n`` JAX-engine servers on free 127.0.0.1 ports; returns (urls, processes)."""
+  procs, files = [], []
+  env = dict(os.environ, LOGRA_BRIDGE_TOKEN=token, JAX_PLATFORMS='cpu',
+             XLA_FLAGS='')  # one device each, whatever the trainer simulates
+  for i in range(n):
+    port_file = os.path.join(log_dir, f'server{i}.url')
+    if os.path.exists(port_file):
+      os.unlink(port_file)
+    log = open(os.path.join(log_dir, f'server{i}.log'), 'w')
+    procs.append(subprocess.Popen(
+        [sys.executable, '-m', 'logra_jax.bridge.serve', f'--model={model_dir}', '--port=0',
+         f'--port_file={port_file}', f'--pad_id={pad_id}'], stdout=log, stderr=log, env=env))
+    files.append(port_file)
+  deadline = time.monotonic() + 300
+  while not all(os.path.exists(f) for f in files):
+    if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+      stop_servers(procs)
+      raise RuntimeError(f'a launched generation server failed to start: see {log_dir}')
+    time.sleep(0.2)
+  urls = [open(f).read().strip() for f in files]
+  for url in urls:
+    ServerClient(url, token).wait_healthy()
+  return urls, procs
+
+
+def stop_servers(procs):
+  for p in procs:
+    p.terminate()
+  for p in procs:
+    try:
+      p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+      p.kill()
+
+
+class FleetGenerator:
+  """A `Generator` over HTTP servers, with the trainer's update broadcast."""
+
+  def __init__(self, cfg: TrainConfig, model_config, params, version: int, workdir: str,
+               pad_id: int = 0):
+    r = cfg.rollout
+    self.cfg, self.config, self._procs = cfg, model_config, []
+    token = os.environ.get('LOGRA_BRIDGE_TOKEN') or (secrets.token_hex(16) if r.launch else '')
+    if not token:
+      raise ValueError('rollout.urls servers need LOGRA_BRIDGE_TOKEN in the environment')
+    urls = [u.strip() for u in r.urls.split(',') if u.strip()]
+    if r.launch:
+      fleet_dir = os.path.join(workdir, 'fleet')
+      os.makedirs(fleet_dir, exist_ok=True)
+      model_dir = hf_io.save_hf_checkpoint(tempfile.mkdtemp(dir=fleet_dir, prefix='model-'),
+                                           params, model_config)
+      urls, self._procs = launch_servers(model_dir, r.launch, token, fleet_dir, pad_id)
+    self.fleet = Fleet(urls, token)
+    self.mirror = sync.Mirror(params, model_config)
+    self._full_sync(params, version)
+
+  @property
+  def weight_version(self) -> int:
+    return self.fleet.weight_version
+
+  def generate(self, requests):
+    return self.fleet.generate(requests)
+
+  def _full_blob(self, params, version):
+    return sync.full_blob(params, self.config, self.fleet.version, version)
+
+  def _full_sync(self, params, version):
+    blob = self._full_blob(params, version)
+    stats = self.fleet.push(blob, version, full_blob=lambda: blob)
+    self.mirror.apply(blob, str(self.fleet.version))
+    return stats
+
+  def sync(self, params, version: int, update=None) -> dict:
+    """Sends step ``version``'s update (``update`` = (α·U tree, seed, step, kind), or None
+    for full weights); returns sync metrics, the drift included."""
+    start = time.perf_counter()
+    every = self.cfg.rollout.full_sync_every
+    if update is None or (every and version % every == 0):
+      stats, kind = self._full_sync(params, version), 1.0
+    else:
+      u, seed, step, projection_kind = update
+      blob = sync.lowrank_blob(u, self.config, seed=seed, step=step, kind=projection_kind,
+                               base_version=self.fleet.version, new_version=version,
+                               u_dtype=self.cfg.rollout.u_dtype)
+      base = str(self.fleet.version)
+      stats = self.fleet.push(blob, version, full_blob=lambda: self._full_blob(params, version))
+      if stats['sync_full_fallbacks']:
+        self.mirror = sync.Mirror(params, self.config)
+      else:
+        self.mirror.apply(blob, base)
+      kind = 0.0
+    return dict(stats, sync_full=kind, sync_s=time.perf_counter() - start,
+                sync_drift=self.mirror.drift(params))
+
+  def close(self):
+    self.fleet.close()
+    stop_servers(self._procs)
