@@ -202,6 +202,20 @@ def test_positive_control_autodiff_wrt_kernels_is_flagged(layout):
   assert {v.shape[-2:] for v in flagged} == {(K, D), (D, K)}
 
 
+@pytest.mark.parametrize('name', ['sketch', 'dense_then_project'])
+def test_check_sees_through_jit_and_cond(name):
+  x, w, a, probes = _stack_inputs()
+
+  @jax.jit
+  def loss(probes, x, w, a):
+    layer = lambda h: MATMULS[name](h, w[0][0], a[0][0], probes[0][0])
+    return jnp.sum(jax.lax.cond(jnp.sum(x) > 0, layer, lambda h: 2 * layer(h), x) ** 2)
+
+  flagged = hlo.kernel_shaped(hlo.backward_values(loss, (probes, x, w, a)), [(K, D)])
+  assert bool(flagged) == (name == 'dense_then_project')
+  assert all('cond/' in v.where for v in flagged)
+
+
 def test_compiled_hlo_has_no_kernel_shaped_dot():
   x, w, a, probes = _stack_inputs()
   shapes, args = _kernel_shapes('scan', w), (probes, x, w, a)

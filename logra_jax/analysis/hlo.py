@@ -21,7 +21,9 @@ re-associate a sketch into a dense gradient. It lists dot and gemm/matmul custom
 `kernel_shaped(values, kernel_shapes)` keeps the values whose last two dims are a kernel's
 (K, D) or (D, K): this covers stacked (N, K, D) and per-example (B, K, D) gradients. Shapes
 can only be told apart if K, D and every other size of the program (batch, length, layers,
-rank, heads) differ, so choose test sizes that way.
+rank, heads) differ, so choose test sizes that way. Typical use:
+
+    assert hlo.kernel_shaped(hlo.backward_values(loss, (probes, x)), [w.shape]) == []
 """
 import re
 from typing import Any, Callable, NamedTuple, Sequence
@@ -169,7 +171,9 @@ def compiled_dot_shapes(fn: Callable, args: Sequence[Any]):
   """Result shapes of every dot (and gemm/matmul custom-call) in the compiled HLO of `fn`.
 
   Reads `jax.jit(fn).lower(*args).compile().as_text()`, fusion and loop bodies included.
-  Backend-dependent (see the module doc); use it next to `backward_values`, not instead.
+  Backend-dependent (see the module doc); use it next to `backward_values`, not instead:
+  a dense gradient formed without a dot (multiply, then sum over tokens) passes it. The
+  gemm/matmul custom-call pattern (GPU, oneDNN) has only been exercised on CPU text.
   """
   text = jax.jit(fn).lower(*args).compile().as_text()
   shapes = []
