@@ -292,7 +292,7 @@ def _multi_host_run(workdir, extra=()):
   errs = []
   try:
     for p in procs:
-      errs.append(p.communicate(timeout=400)[1])
+      errs.append(p.communicate(timeout=1200)[1])  # bounded; a loaded CPU is slow
   finally:
     for p in procs:
       if p.poll() is None:
