@@ -1,26 +1,71 @@
 """RL post-training with LoGRA (or the dense-Adam / LoRA baselines) from an ml_collections config.
 
   python experiments/train.py --config=configs/tiny.py --workdir=runs/tiny \
-      [--config.optim.name=adam] [--config.optim.rank=32 ...]
+      [--config.optim.name=adam] [--config.optim.rank=32 ...] [--config.mesh.fsdp=4 ...]
 
-Rerunning with the same workdir resumes from its latest checkpoint.
+Rerunning with the same workdir resumes from its latest checkpoint. Writes
+WORKDIR/run_info.json first (devices, processes, mesh, JAX version, the whole config).
+
+Multi-host: start the same command on every host with --coordinator_address=HOST:PORT
+--num_processes=N --process_id=I (I = 0 … N−1); without them the run is one process.
 """
+import dataclasses
+import json
+import os
+
 from absl import app, flags, logging
 from ml_collections import config_flags
-
-from logra_jax.train.config import from_config_dict
-from logra_jax.train.loop import train
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file.',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (metrics, checkpoints).')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None,
+                                   'HOST:PORT of process 0 (multi-host runs only).')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in a multi-host run.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process (0 … num_processes-1).')
 flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def _distributed():
+  """jax.distributed.initialize when the three multi-host flags are given (all or none)."""
+  given = [f.value is not None for f in (_COORDINATOR, _NUM_PROCESSES, _PROCESS_ID)]
+  if not any(given):
+    return
+  if not all(given):
+    raise app.UsageError('--coordinator_address, --num_processes and --process_id go together')
+  import jax  # pylint: disable=g-import-not-at-top
+  # CPU devices of several processes talk through gloo (JAX's CPU default has no
+  # cross-process collectives); it does not affect GPU/TPU backends. Set before any backend.
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(_COORDINATOR.value, num_processes=_NUM_PROCESSES.value,
+                             process_id=_PROCESS_ID.value)
+
+
+def write_run_info(workdir: str, layout, cfg) -> str:
+  """WORKDIR/run_info.json (process 0 only): devices, processes, mesh, JAX version, config."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from logra_jax import parallel  # pylint: disable=g-import-not-at-top
+  path = os.path.join(workdir, 'run_info.json')
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(path, 'w') as f:
+      json.dump(parallel.run_info(layout, dataclasses.asdict(cfg)), f, indent=2)
+  return path
 
 
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  train(from_config_dict(_CONFIG.value), _WORKDIR.value)
+  _distributed()
+  import jax  # pylint: disable=g-import-not-at-top
+  from logra_jax import parallel  # pylint: disable=g-import-not-at-top
+  from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
+  from logra_jax.train.loop import train  # pylint: disable=g-import-not-at-top
+  cfg = from_config_dict(_CONFIG.value)
+  layout = parallel.layout_from_config(cfg.mesh)
+  write_run_info(_WORKDIR.value, layout, cfg)
+  with jax.set_mesh(layout.mesh):
+    train(cfg, _WORKDIR.value, progress=jax.process_index() == 0, layout=layout)
 
 
 if __name__ == '__main__':

@@ -1,4 +1,8 @@
-"""The sampler on parameters sharded over 4 (simulated CPU) devices gives the same samples."""
+"""The sampler on FSDP-sharded params (4 simulated CPU devices) gives the same samples.
+
+The params are placed by the real logical-axis rules (`logra_jax.parallel`, the default
+`mesh.rules`), exactly as the trainer places them, not by hand.
+"""
 import os
 import subprocess
 import sys
@@ -8,29 +12,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent('''
     import jax, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from logra_jax import parallel
     from logra_jax.models import get_preset, init_params, generate
+    from logra_jax.train.config import default_config, from_config_dict
     assert jax.device_count() == 4, jax.devices()
     config = get_preset('tiny', vocab_size=32)
     params = init_params(config, jax.random.key(0))
-    mesh = Mesh(np.array(jax.devices()), ('fsdp',))
-
-    def shard(x):  # FSDP-style: split the first axis divisible by 4, replicate the rest
-      for axis, size in enumerate(x.shape):
-        if size % 4 == 0:
-          spec = [None] * x.ndim
-          spec[axis] = 'fsdp'
-          return jax.device_put(x, NamedSharding(mesh, P(*spec)))
-      return jax.device_put(x, NamedSharding(mesh, P()))
-
-    sharded = jax.tree.map(shard, params)
-    assert any(len(x.sharding.device_set) == 4 and not x.sharding.is_fully_replicated
-               for x in jax.tree.leaves(sharded))
+    layout = parallel.layout_from_config(from_config_dict(default_config()).mesh)
+    assert dict(layout.mesh.shape) == {'data': 1, 'fsdp': 4}
+    sharded = parallel.put(jax.device_get(params), parallel.param_shardings(layout, config))
+    # The same sharded params as the trainer's: created in place from the logical axes.
+    created = parallel.init_params(config, jax.random.key(0),
+                                   parallel.param_shardings(layout, config))
+    for a, b, c in zip(*(jax.tree.leaves(t) for t in (params, sharded, created))):
+      np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+      np.testing.assert_array_equal(np.asarray(c), np.asarray(a))
+      assert b.sharding == c.sharding
+      assert len(b.sharding.device_set) == 4 and not b.sharding.is_fully_replicated, b.sharding
+      assert sum(s.data.nbytes for s in b.addressable_shards) == a.nbytes  # split, not copied
     prompts = [[1, 5, 6, 7], [1, 9, 3], [1, 4, 4, 4, 4, 12]]
     for kw in (dict(temperature=0.0), dict(temperature=1.0, top_k=5, seeds=[3, 4, 5])):
       a = generate(params, config, prompts, 12, **kw)
       b = generate(sharded, config, prompts, 12, **kw)
       assert a.tokens == b.tokens, (a.tokens, b.tokens)
+      # fp32 logits summed in another order across 4 shards: a few ulp of O(10) logits.
       np.testing.assert_allclose(np.concatenate(a.logprobs), np.concatenate(b.logprobs),
                                  rtol=1e-5, atol=1e-5)
     print('ok')

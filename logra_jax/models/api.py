@@ -96,13 +96,14 @@ def _hf_tokenizer(directory: str):
     return None
 
 
-def load(path_or_preset: str, dtype: str = 'float32') -> Model:
+def load(path_or_preset: str, dtype: str = 'float32', on_host: bool = False) -> Model:
   """Loads a model from an HF checkpoint directory, a `.gguf` file or a preset name.
 
   Args:
     path_or_preset: a directory with config.json + safetensors, a `.gguf` file, or a name in
       `PRESETS` (random init params, seed `PRESET_SEED`, no tokenizer).
     dtype: the compute and storage dtype ('float32', 'bfloat16', ...).
+    on_host: keep a checkpoint's params as numpy (the trainer places them shard by shard).
 
   Returns:
     A `Model` with `.config`, `.params` (jax arrays), `.tokenizer`, `.logits`, `.generate`,
@@ -123,4 +124,5 @@ def load(path_or_preset: str, dtype: str = 'float32') -> Model:
     raise ValueError(f'{path!r} is neither an HF checkpoint directory, a .gguf file nor a '
                      f'preset name (presets: {sorted(PRESETS)})')
   config = config.replace(dtype=name, param_dtype=name)
-  return Model(config, jax.tree.map(jnp.asarray, params), path, tokenizer_fn)
+  return Model(config, params if on_host else jax.tree.map(jnp.asarray, params), path,
+               tokenizer_fn)

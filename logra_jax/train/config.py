@@ -121,6 +121,15 @@ class EvalSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshSection:
+  """Device mesh ('data', 'fsdp'): data * fsdp = jax.device_count(); -1 = the rest."""
+  data: int = 1
+  fsdp: int = -1            # -1: every device not taken by `data` (the default: all)
+  # Logical axis -> mesh axis, first match per dimension ('name=' or 'name=none': replicated).
+  rules: str = 'embed=fsdp,mlp=fsdp,q_heads=fsdp,kv_heads=fsdp,vocab=fsdp,layers='
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   model: ModelSection = ModelSection()
   data: DataSection = DataSection()
@@ -130,6 +139,7 @@ class TrainConfig:
   optim: OptimSection = OptimSection()
   warm_start: WarmStartSection = WarmStartSection()
   eval: EvalSection = EvalSection()
+  mesh: MeshSection = MeshSection()
   total_steps: int = 100
   eval_every: int = 20
   checkpoint_every: int = 50
@@ -192,9 +202,39 @@ def _check(cfg: TrainConfig):
     raise ValueError('config key data.name must name a reasoning-gym dataset')
   if cfg.data.source == 'file' and not cfg.data.path:
     raise ValueError('config key data.path must point at a JSONL/Parquet file')
+  _check_mesh(cfg.mesh)
   if cfg.data.prompts_per_step * cfg.data.samples_per_prompt % cfg.optim.micro_batches:
     raise ValueError('config key optim.micro_batches must divide '
                      'data.prompts_per_step * data.samples_per_prompt')
+
+
+MESH_AXES = ('data', 'fsdp')
+
+
+def _check_mesh(m: MeshSection):
+  """Mesh sizes and rules, checked without touching devices (the count is checked at build)."""
+  for key, value in (('mesh.data', m.data), ('mesh.fsdp', m.fsdp)):
+    if value != -1 and value < 1:
+      raise ValueError(f'config key {key} must be >= 1 or -1 (all remaining devices), '
+                       f'got {value}')
+  if m.data == -1 and m.fsdp == -1:
+    raise ValueError('config keys mesh.data and mesh.fsdp cannot both be -1')
+  parse_axis_rules(m.rules)
+
+
+def parse_axis_rules(text: str):
+  """'embed=fsdp,vocab=' -> (('embed', 'fsdp'), ('vocab', None)): logical -> mesh axis."""
+  rules = []
+  for item in filter(None, (s.strip() for s in text.split(','))):
+    logical, eq, mesh_axis = (p.strip() for p in item.partition('='))
+    if not eq or not logical:
+      raise ValueError(f"config key mesh.rules: expected 'logical=mesh_axis', got {item!r}")
+    mesh_axis = None if mesh_axis in ('', 'none', 'None') else mesh_axis
+    if mesh_axis is not None and mesh_axis not in MESH_AXES:
+      raise ValueError(f'config key mesh.rules: {item!r} names mesh axis {mesh_axis!r}; '
+                       f'the mesh axes are {MESH_AXES}')
+    rules.append((logical, mesh_axis))
+  return tuple(rules)
 
 
 def default_config() -> config_dict.ConfigDict:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from logra_jax import sketch
+from logra_jax import parallel, sketch
 from logra_jax.rl.advantages import get_advantage_fn
 from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
@@ -65,11 +65,12 @@ def rollout_metrics(results, scores, max_new_tokens) -> dict:
 class Trainer:
   """Owns the run: task, model, method, generator, scorer, checkpoints, metric writer."""
 
-  def __init__(self, cfg: TrainConfig, workdir: str, log=print):
+  def __init__(self, cfg: TrainConfig, workdir: str, log=print, layout=None):
     self.cfg, self.workdir, self.log = cfg, workdir, log
+    self.layout = layout or parallel.layout_from_config(cfg.mesh)
     self.task = tasks.build_task(cfg)
-    self.model, self.model_config, params = tasks.build_model(cfg, self.task)
-    self.method = get_method(cfg, self.model)
+    self.model, self.model_config, params = tasks.build_model(cfg, self.task, self.layout)
+    self.method = get_method(cfg, self.model, self.layout)
     self.estimator = get_advantage_fn(cfg.rl.advantage, **(
         {'ema': cfg.rl.baseline_ema} if cfg.rl.advantage == 'running_baseline' else {}))
     self.budget = sketch.kl_budget_schedule(cfg.optim.kl_budget_init, cfg.optim.kl_budget_final,
@@ -126,17 +127,19 @@ class Trainer:
                                                 cfg.rollout.temperature))
     generated = time.perf_counter()
     scores = _score(self.task, self.scorer, results, records, n)
-    adv, self.adv_state = self.estimator.update(np.asarray(scores.rewards, np.float32),
-                                                self.adv_state, group_size=n)
+    rewards = parallel.same_on_every_process(np.asarray(scores.rewards, np.float32))
+    adv, self.adv_state = self.estimator.update(rewards, self.adv_state, group_size=n)
     batch, p = assemble_batch(results, adv, cfg.rollout.max_new_tokens, self.task.pad_id,
                               self.task.prompt_len)
     if self.cfg.rl.kl_coef:
       if p not in self._ref_fns:
-        self._ref_fns[p] = steps.make_ref_logp(self.model, p, cfg.rollout.temperature)
-      batch['ref_logp'] = np.asarray(self._ref_fns[p](self.ref, batch))
+        self._ref_fns[p] = steps.make_ref_logp(self.model, p, cfg.rollout.temperature,
+                                               self.method.ref_shardings)
+      batch['ref_logp'] = parallel.to_host(
+          self._ref_fns[p](self.ref, self.method.put_batch(batch)))
     budget = float(sketch.effective_budget(self.budget(t - 1), self.mismatch))
     self.state, metrics = self.method.step(self.state, batch, p, t, budget)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    metrics = {k: float(v) for k, v in parallel.to_host(metrics).items()}
     ema = cfg.optim.mismatch_ema
     self.mismatch = (1 - ema) * self.mismatch + ema * metrics['mismatch']
     self.step = t
@@ -176,8 +179,8 @@ class Trainer:
     self.ckpt.close()
 
 
-def train(cfg: TrainConfig, workdir: str, progress: bool = True, log=print):
-  trainer = Trainer(cfg, workdir, log)
+def train(cfg: TrainConfig, workdir: str, progress: bool = True, log=print, layout=None):
+  trainer = Trainer(cfg, workdir, log, layout)
   try:
     trainer.run(progress)
   finally:

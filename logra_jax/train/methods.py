@@ -3,14 +3,20 @@
 A method holds the run state as a dict of arrays (checkpointed as is) and exposes
 ``step(state, batch, prompt_len, step, budget) -> (state, metrics)`` and
 ``policy_params(state)`` (the weights the generator samples with).
+
+Every array of the state lives in the sharding `logra_jax.parallel` derives from the
+model's logical axes (params, optimizer states, adapters FSDP over 'fsdp'); ``init`` places
+the params there, ``step`` places the host batch data-parallel and the projections
+replicated, and every jitted step has explicit in/out shardings and donated buffers.
 """
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from logra_jax import sketch
+from logra_jax import parallel, sketch
 from logra_jax.rl import losses as rl_losses
 from logra_jax.train import optimizers, steps
 from logra_jax.train.config import TrainConfig
@@ -35,6 +41,37 @@ class Method:
   init: Callable[[Any], dict]
   step: Callable
   policy_params: Callable[[dict], Any]
+  placement: Optional['Placement'] = None
+
+  def put_batch(self, batch):
+    """A host batch placed data-parallel (every process passes the same values)."""
+    return self.placement.put_batch(batch)
+
+  @property
+  def ref_shardings(self) -> steps.StepShardings:
+    """For `steps.make_ref_logp`: policy params FSDP, batch data-parallel."""
+    pl = self.placement
+    return pl.step_shardings(None, params=pl.params)
+
+
+class Placement:
+  """The shardings of one run's trees: params from the model's logical axes, batch, etc."""
+
+  def __init__(self, cfg: TrainConfig, model, layout: Optional[parallel.Layout]):
+    self.layout = layout or parallel.layout_from_config(cfg.mesh)
+    self.logical = parallel.param_logical(model.config)
+    self.abstract = parallel.abstract_params(model.config)
+    self.params = parallel.param_shardings(self.layout, model.config)
+    n = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    lay = self.layout
+    self.batch = lay.batch if n % lay.mesh.size == 0 else lay.replicated
+
+  def step_shardings(self, opt_state, params=None, train=None, accum=None):
+    return steps.StepShardings(params, opt_state, self.batch, self.layout.replicated,
+                               train, accum)
+
+  def put_batch(self, batch):
+    return parallel.put(batch, jax.tree.map(lambda _: self.batch, batch))
 
 
 def _cached(make):
@@ -47,62 +84,96 @@ def _cached(make):
   return get
 
 
-def logra_method(cfg: TrainConfig, model) -> Method:
+def _zeros(abstract):
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
+
+
+def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
   o = cfg.optim
   opt = optimizers.logra_optimizer(o, cfg.total_steps)
-  get = _cached(lambda p: steps.make_logra_step(model, loss_config(cfg), opt, _step_config(cfg, p)))
+  pl = Placement(cfg, model, layout)
+  a0 = optimizers.projections_at(o, pl.abstract, cfg.seed, 0)
+  probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a0)
+  probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
+  opt_sh = pl.layout.state(jax.eval_shape(opt.init, probes), probe_logical)
+  # Sketch accumulators at rank r_0 (a dynamic rank changes R, not the sharded D axis).
+  sh = pl.step_shardings(opt_sh, params=pl.params,
+                         accum=pl.layout.flat(probes, probe_logical))
+  get = _cached(lambda p: steps.make_logra_step(model, loss_config(cfg), opt,
+                                                _step_config(cfg, p), sh))
+  opt_init = jax.jit(lambda: opt.init(_zeros(probes)), out_shardings=opt_sh)
 
   def init(params):
-    a = optimizers.projections_at(o, params, cfg.seed, 0)
-    return {'params': params, 'opt_state': opt.init(sketch.zero_probes(params, a))}
+    return {'params': parallel.put(params, pl.params), 'opt_state': opt_init()}
 
   def step(state, batch, prompt_len, t, budget):
     a = optimizers.projections_at(o, state['params'], cfg.seed, t)
+    a = parallel.put(a, jax.tree.map(lambda _: pl.layout.replicated, a))
     key = jax.random.fold_in(jax.random.key(cfg.seed), t)
-    params, opt_state, metrics = get(prompt_len)(state['params'], state['opt_state'], batch, a,
-                                                 jnp.float32(budget), key)
+    params, opt_state, metrics = get(prompt_len)(state['params'], state['opt_state'],
+                                                 pl.put_batch(batch), a, np.float32(budget),
+                                                 key)
     return {'params': params, 'opt_state': opt_state}, metrics
 
-  return Method(init, step, lambda s: s['params'])
+  return Method(init, step, lambda s: s['params'], pl)
 
 
-def adam_method(cfg: TrainConfig, model) -> Method:
+def adam_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
   opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps)
-  get = _cached(lambda p: steps.make_dense_step(model, loss_config(cfg), opt, _step_config(cfg, p)))
+  pl = Placement(cfg, model, layout)
+  opt_sh = pl.layout.state(jax.eval_shape(opt.init, pl.abstract), pl.logical)
+  sh = pl.step_shardings(opt_sh, train=pl.params, accum=pl.params)
+  get = _cached(lambda p: steps.make_dense_step(model, loss_config(cfg), opt,
+                                                _step_config(cfg, p), sh=sh))
+  opt_init = jax.jit(opt.init, in_shardings=(pl.params,), out_shardings=opt_sh)
+
+  def init(params):
+    params = parallel.put(params, pl.params)
+    return {'params': params, 'opt_state': opt_init(params)}
 
   def step(state, batch, prompt_len, t, budget):
     del t, budget
-    params, opt_state, metrics = get(prompt_len)(None, state['params'], state['opt_state'], batch)
+    params, opt_state, metrics = get(prompt_len)(None, state['params'], state['opt_state'],
+                                                 pl.put_batch(batch))
     return {'params': params, 'opt_state': opt_state}, metrics
 
-  return Method(lambda params: {'params': params, 'opt_state': opt.init(params)}, step,
-                lambda s: s['params'])
+  return Method(init, step, lambda s: s['params'], pl)
 
 
-def lora_method(cfg: TrainConfig, model) -> Method:
+def lora_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
   o = cfg.optim
   opt = optimizers.adam_optimizer(o, cfg.total_steps)
   scale = o.lora_alpha / o.lora_rank
   merge = lambda params, lora: optimizers.lora_merge(params, lora, scale)
+  pl = Placement(cfg, model, layout)
+  new_lora = lambda: optimizers.init_lora(pl.abstract, o.lora_rank, jax.random.key(cfg.seed + 1))
+  lora_abs = jax.eval_shape(new_lora)
+  lora_logical = parallel.lora_logical(pl.logical, sketch.target_paths(pl.abstract))
+  lora_sh = pl.layout.flat(lora_abs, lora_logical)
+  opt_sh = pl.layout.state(jax.eval_shape(opt.init, lora_abs), lora_logical)
+  sh = pl.step_shardings(opt_sh, params=pl.params, train=lora_sh, accum=lora_sh)
   get = _cached(lambda p: steps.make_dense_step(model, loss_config(cfg), opt,
-                                                _step_config(cfg, p), merge=merge))
-  merged = jax.jit(merge)
+                                                _step_config(cfg, p), merge=merge, sh=sh))
+  merged = jax.jit(merge, in_shardings=(pl.params, lora_sh), out_shardings=pl.params)
+  lora_init = jax.jit(lambda: (lambda l: (l, opt.init(l)))(new_lora()),
+                      out_shardings=(lora_sh, opt_sh))
 
   def init(params):
-    lora = optimizers.init_lora(params, o.lora_rank, jax.random.key(cfg.seed + 1))
-    return {'params': params, 'lora': lora, 'opt_state': opt.init(lora)}
+    lora, opt_state = lora_init()
+    return {'params': parallel.put(params, pl.params), 'lora': lora, 'opt_state': opt_state}
 
   def step(state, batch, prompt_len, t, budget):
     del t, budget
     lora, opt_state, metrics = get(prompt_len)(state['params'], state['lora'],
-                                               state['opt_state'], batch)
+                                               state['opt_state'], pl.put_batch(batch))
     return dict(state, lora=lora, opt_state=opt_state), metrics
 
-  return Method(init, step, lambda s: merged(s['params'], s['lora']))
+  return Method(init, step, lambda s: merged(s['params'], s['lora']), pl)
 
 
 METHODS = {'logra': logra_method, 'adam': adam_method, 'lora': lora_method}
 
 
-def get_method(cfg: TrainConfig, model) -> Method:
-  return METHODS[cfg.optim.name](cfg, model)
+def get_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
+  """The configured method; ``layout`` defaults to the mesh of ``cfg.mesh`` on jax.devices()."""
+  return METHODS[cfg.optim.name](cfg, model, layout)

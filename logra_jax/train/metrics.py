@@ -1,8 +1,12 @@
-"""Per-step metrics to `workdir/metrics.jsonl` (one JSON object per line) and TensorBoard."""
+"""Per-step metrics to `workdir/metrics.jsonl` (one JSON object per line) and TensorBoard.
+
+With several processes (multi-host) only process 0 writes; the others' writers do nothing.
+"""
 import json
 import math
 import os
 
+import jax
 import numpy as np
 
 
@@ -15,8 +19,11 @@ class MetricWriter:
   """Appends to metrics.jsonl; on resume, drops lines of steps after the restored step."""
 
   def __init__(self, workdir: str, resume_step: int = -1):
-    os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, 'metrics.jsonl')
+    self.active, self.tb = jax.process_index() == 0, None
+    if not self.active:
+      return
+    os.makedirs(workdir, exist_ok=True)
     if os.path.exists(self.path):
       keep = [line for line in open(self.path) if line.strip()
               and json.loads(line)['step'] <= resume_step]
@@ -29,6 +36,8 @@ class MetricWriter:
       self.tb = None
 
   def write(self, step: int, metrics: dict):
+    if not self.active:
+      return
     row = {'step': int(step)}
     row.update({k: _clean(v) for k, v in sorted(metrics.items())})
     with open(self.path, 'a') as f:

@@ -4,9 +4,9 @@ Shape key: N completions, P prompt length (left padded), T = max_new_tokens, L =
 """
 from typing import Sequence
 
-import jax
 import numpy as np
 
+from logra_jax import parallel
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.sampler import SamplingParams as EngineSampling
 from logra_jax.models.sampler import bucket_size, generate_arrays, pad_prompts
@@ -54,7 +54,7 @@ class JaxGenerator:
     out = generate_arrays(self.params, tokens, mask, seeds_b, stop, config=self.config,
                           max_new_tokens=sp.max_new_tokens,
                           sampling=EngineSampling(sp.temperature, sp.top_p, sp.top_k))
-    toks, logps, lens, stopped = jax.device_get(out)
+    toks, logps, lens, stopped = parallel.to_host(out)  # every process gets every row
     return [GenerationResult(
         request_id=r.request_id, sample_index=j, prompt_token_ids=r.prompt_token_ids,
         completion_token_ids=toks[i, :lens[i]], behaviour_logprobs=logps[i, :lens[i]],

@@ -8,7 +8,7 @@ completion), target_mask_NxT, behaviour_logp_NxT, advantages_N. Micro-batch loss
 weighted so that their sum equals the loss of the whole batch; the sketches (or gradients)
 are summed over micro-batches in a `lax.scan`, in fp32.
 """
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -79,12 +79,34 @@ def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str):
   return total, metrics
 
 
-def make_ref_logp(model, prompt_len: int, temperature: float):
+class StepShardings(NamedTuple):
+  """Explicit placements of a step's trees (`logra_jax.parallel`); None: plain jit.
+
+  params: the model params (frozen ones for LoRA, None for dense Adam); train: what dense /
+  LoRA steps update; accum: the sketch (LoGRA) or gradient accumulators; replicated: for
+  projections, scalars, keys and metrics.
+  """
+  params: Any
+  opt_state: Any
+  batch: Any
+  replicated: Any
+  train: Any = None
+  accum: Any = None
+
+
+def _constrain(tree, shardings):
+  return tree if shardings is None else jax.lax.with_sharding_constraint(tree, shardings)
+
+
+def make_ref_logp(model, prompt_len: int, temperature: float,
+                  sh: Optional[StepShardings] = None):
   """Jitted log-probs of the completion tokens under reference params (the KL penalty)."""
   def ref_logp(ref_params, batch):
     logits = completion_logits(model, {'params': ref_params}, batch, prompt_len)
     return rl_losses.token_logprobs(logits, batch['targets'], temperature)
-  return jax.jit(ref_logp)
+  if sh is None:
+    return jax.jit(ref_logp)
+  return jax.jit(ref_logp, in_shardings=(sh.params, sh.batch), out_shardings=sh.replicated)
 
 
 def _all_finite(tree):
@@ -106,12 +128,14 @@ class StepConfig(NamedTuple):
   sparse_mask: float
 
 
-def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs, sc: StepConfig):
+def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs, sc: StepConfig,
+                    sh: Optional[StepShardings] = None):
   """The LoGRA step: sketches → optax → α from predicted KL → kernel += α·AᵀU (in place).
 
   Returns a jitted ``step(params, opt_state, batch, projections, budget, key)`` →
   ``(params, opt_state, metrics)``; params and opt_state are donated. A non-finite sketch,
   loss or step size skips the update (weights and optimizer state untouched, `skipped` = 1).
+  ``sh`` fixes every input's and output's sharding (the sketch accumulators too).
   """
   linear = model.clone(sketch_mode='linear')
   temp = loss_cfg.temperature
@@ -120,7 +144,7 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   def step(params, opt_state, batch, projections, budget, key):
     grad_fn = lambda mb, w: sketch.sketch_value_and_grad(loss, has_aux=True)(
         params, projections, mb, w)
-    probes = sketch.zero_probes(params, projections)
+    probes = _constrain(sketch.zero_probes(params, projections), sh and sh.accum)
     s, metrics = accumulate(grad_fn, probes, batch, sc.micro_batches, loss_cfg.aggregation)
     if sc.sparse_mask:
       s = sketch.sparse_mask_tree(s, key, sc.sparse_mask)
@@ -148,16 +172,22 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
         sketch_norm=optax.global_norm(s), skipped=1.0 - ok.astype(jnp.float32))
     return new_params, new_opt_state, metrics
 
-  return jax.jit(step, donate_argnums=(0, 1))
+  if sh is None:
+    return jax.jit(step, donate_argnums=(0, 1))
+  r = sh.replicated
+  return jax.jit(step, donate_argnums=(0, 1),
+                 in_shardings=(sh.params, sh.opt_state, sh.batch, r, r, r),
+                 out_shardings=(sh.params, sh.opt_state, r))
 
 
 def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: StepConfig,
-                    merge: Callable = None):
+                    merge: Callable = None, sh: Optional[StepShardings] = None):
   """Dense-gradient step (AdamW on all params, or LoRA on adapters through ``merge``).
 
   ``step(params, train, opt_state, batch)`` → ``(params, train, opt_state, metrics)``: for
   dense Adam ``train`` is the params themselves (pass params twice; the first is ignored);
   for LoRA ``train`` are the adapters and ``merge(params, train)`` the merged weights.
+  ``sh`` fixes every input's and output's sharding (the gradient accumulators too).
   """
   temp = loss_cfg.temperature
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
@@ -168,6 +198,7 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
         lambda t: loss({'params': merge(params, t)}, mb, w), has_aux=True)(train)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(jnp.float32, x.dtype)),
                          train)
+    zeros = _constrain(zeros, sh and sh.accum)
     g, metrics = accumulate(grad_fn, zeros, batch, sc.micro_batches, loss_cfg.aggregation)
     updates, new_opt_state = opt.update(g, opt_state, train)
     ok = _all_finite(g) & jnp.isfinite(metrics['loss'])
@@ -180,4 +211,8 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
                    sketch_norm=optax.global_norm(g), skipped=1.0 - ok.astype(jnp.float32))
     return new_train, new_opt_state, metrics
 
-  return jax.jit(step, donate_argnums=(1, 2))
+  if sh is None:
+    return jax.jit(step, donate_argnums=(1, 2))
+  return jax.jit(step, donate_argnums=(1, 2),
+                 in_shardings=(sh.params, sh.train, sh.opt_state, sh.batch),
+                 out_shardings=(sh.train, sh.opt_state, sh.replicated))

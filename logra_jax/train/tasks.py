@@ -7,10 +7,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from logra_jax import data
+from logra_jax import data, parallel
 from logra_jax.models.presets import get_preset
 from logra_jax.models.sampler import bucket_size
-from logra_jax.models.transformer import Transformer, init_params
+from logra_jax.models.transformer import Transformer
 from logra_jax.train import warm_start as sft
 from logra_jax.train.config import TrainConfig
 
@@ -161,22 +161,28 @@ def _load(cfg: TrainConfig):
           f'config key model.path={path!r} does not exist on this machine: point it at an HF '
           'checkpoint directory (config.json + safetensors + tokenizer) or a .gguf file, '
           'e.g. --config.model.path=/path/to/Qwen2.5-Math-7B')
-    _LOADED[path] = load(path)
+    _LOADED[path] = load(path, on_host=True)  # numpy: placed shard by shard (build_model)
   return _LOADED[cfg.model.path]
 
 
-def build_model(cfg: TrainConfig, task: Task):
-  """(Transformer, ModelConfig, params): a checkpoint at model.path or a fresh preset."""
+def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None):
+  """(Transformer, ModelConfig, params): a checkpoint at model.path or a fresh preset.
+
+  The params are created (or loaded from host numpy) straight into their shardings on
+  ``layout`` (default: the mesh of ``cfg.mesh``).
+  """
   m = cfg.model
+  layout = layout or parallel.layout_from_config(cfg.mesh)
   if m.path:
     loaded = _load(cfg)
     mc = loaded.config.replace(dtype=m.dtype, remat_policy=m.remat_policy)
-    params = loaded.params
+    params = parallel.put(loaded.params, parallel.param_shardings(layout, mc))
   else:
     mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype,
                     remat_policy=m.remat_policy, pad_token_id=task.pad_id,
                     eos_token_ids=task.stop_ids)
-    params = init_params(mc, jax.random.key(cfg.seed))
+    params = parallel.init_params(mc, jax.random.key(cfg.seed),
+                                  parallel.param_shardings(layout, mc))
   return Transformer(mc), mc, params
 
 
