@@ -12,7 +12,8 @@ the same way, as ``projection``.
 Metadata (all strings): format, kind, base_version, new_version and, for lowrank, seed, step,
 projection, u_dtype, A_sha256 (JSON {name: checksum}). `decode` validates everything — names,
 shapes, dtypes, finiteness, checksums, versions, whole fused groups — before the caller
-touches a weight, and raises `UpdateError(status, message)` (400 malformed, 409 stale base).
+touches a weight, and raises `UpdateError(status, message)` (400 malformed, 409 a low-rank
+update for another base version: the sender then sends full weights, which need no base).
 """
 import dataclasses
 import json
@@ -197,9 +198,13 @@ def read_blob(blob: bytes):
 
 
 def _check_versions(meta, current_version):
+  """Low-rank updates need the generator at base_version (else 409) and move it forward; a
+  full update replaces the weights whatever they were (it is the answer to a 409)."""
   for key in ('base_version', 'new_version'):
     if not str(meta.get(key, '')).isdigit():
       _refuse(f'metadata {key} must be a decimal integer string, got {meta.get(key)!r}')
+  if meta.get('kind') != 'lowrank':
+    return
   if meta['base_version'] != str(current_version):
     _refuse(f'update applies to version {meta["base_version"]}, but this generator serves '
             f'version {current_version}: send full weights', status=409)

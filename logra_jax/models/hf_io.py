@@ -12,6 +12,7 @@ every tensor's presence and shape against the model's own abstract shapes, and n
 tensor in the error. The library reads and writes tensors with numpy only (no torch).
 """
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Optional
@@ -71,6 +72,7 @@ def weight_specs(config: ModelConfig) -> tuple:
   return tuple(s for s in WEIGHT_TABLES[config.architecture] if s.when in active)
 
 
+@functools.lru_cache(maxsize=16)
 def param_shapes(config: ModelConfig) -> dict:
   """{path tuple: shape} of every param of the model, from Flax's abstract init."""
   params = abstract_variables(config)['params']

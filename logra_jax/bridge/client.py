@@ -1,0 +1,163 @@
+"""The trainer's side of the bridge: a fleet of generation servers behind one `Generator`.
+
+Requests are spread over the servers (one /v1/completions call per prompt, with its own seed,
+concurrently); an update is broadcast to every server concurrently on vLLM's lifecycle:
+pause(keep) → start → update(update_info) → finish(version) → resume. A server that answers
+409 (its weights are not the update's base) gets full weights instead; any other refusal is
+finished without a version (the server keeps its previous weights) and raised.
+"""
+import concurrent.futures
+import json
+import os
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Callable, Optional, Sequence
+
+from logra_jax.rl.types import GenerationRequest, GenerationResult
+
+RETRIES = 4
+SHM = '/dev/shm'
+
+
+class BridgeError(RuntimeError):
+  """A server refused a call: ``status`` and its JSON message."""
+
+  def __init__(self, url: str, status: int, message: str):
+    super().__init__(f'{url}: HTTP {status}: {message}')
+    self.url, self.status, self.message = url, status, message
+
+
+class ServerClient:
+  """JSON calls to one server, with retries (exponential backoff) on connection errors."""
+
+  def __init__(self, url: str, token: str, timeout: float = 600.0):
+    self.url, self.token, self.timeout = url.rstrip('/'), token, timeout
+
+  def call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {'Authorization': f'Bearer {self.token}', 'Content-Type': 'application/json'}
+    for attempt in range(RETRIES):
+      req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+      try:
+        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+          return json.loads(resp.read() or b'{}')
+      except urllib.error.HTTPError as e:
+        raise BridgeError(self.url, e.code, _message(e)) from None
+      except (urllib.error.URLError, ConnectionError) as e:
+        if attempt == RETRIES - 1:
+          raise BridgeError(self.url, 0, f'unreachable after {RETRIES} tries: {e}') from None
+        time.sleep(0.2 * 2**attempt)
+    raise AssertionError('unreachable')
+
+  def wait_healthy(self, timeout_s: float = 120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+      try:
+        with urllib.request.urlopen(self.url + '/health', timeout=5):
+          return
+      except OSError:
+        if time.monotonic() > deadline:
+          raise BridgeError(self.url, 0, f'not healthy after {timeout_s:.0f} s') from None
+        time.sleep(0.25)
+
+
+def _message(e: urllib.error.HTTPError) -> str:
+  try:
+    return json.loads(e.read())['error']['message']
+  except (ValueError, KeyError, TypeError):
+    return e.reason
+
+
+def completion_body(request: GenerationRequest, model: str) -> dict:
+  p = request.params
+  return {'model': model, 'prompt': list(request.prompt_token_ids), 'n': p.n, 'seed': p.seed,
+          'temperature': p.temperature, 'top_p': p.top_p, 'top_k': p.top_k,
+          'max_tokens': p.max_new_tokens, 'stop_token_ids': list(p.stop_token_ids),
+          'logprobs': 0, 'return_token_ids': True}
+
+
+def parse_choices(request: GenerationRequest, response: dict) -> list[GenerationResult]:
+  out = []
+  for j, c in enumerate(response['choices']):
+    out.append(GenerationResult(
+        request_id=request.request_id, sample_index=j, prompt_token_ids=request.prompt_token_ids,
+        completion_token_ids=tuple(c['token_ids']),
+        behaviour_logprobs=tuple(c['logprobs']['token_logprobs']),
+        finish_reason=c['finish_reason'] if c['finish_reason'] in ('stop', 'length', 'abort')
+        else 'stop', weight_version=int(c.get('weight_version', response.get('weight_version')))))
+  return out
+
+
+class Fleet:
+  """Generation servers as one `logra_jax.rl.Generator`, and the update broadcast."""
+
+  def __init__(self, urls: Sequence[str], token: str, model: str = 'logra',
+               max_concurrency: int = 8):
+    if not urls:
+      raise ValueError('a fleet needs at least one server URL')
+    self.servers = [ServerClient(u, token) for u in urls]
+    self.model, self.version = model, 0
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency * len(urls))
+
+  @property
+  def weight_version(self) -> int:
+    return self.version
+
+  def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    futures = [self._pool.submit(self.servers[i % len(self.servers)].call, 'POST',
+                                 '/v1/completions', completion_body(r, self.model))
+               for i, r in enumerate(requests)]
+    return [res for r, f in zip(requests, futures) for res in parse_choices(r, f.result())]
+
+  def push(self, blob: bytes, version: int, full_blob: Callable[[], bytes]) -> dict:
+    """Broadcasts one update; servers answering 409 get ``full_blob()``. Returns counts."""
+    with _BlobFile(blob) as path:
+      results = list(self._pool.map(lambda s: _push_one(s, path, version), self.servers))
+    stale = [s for s, r in zip(self.servers, results) if r == 409]
+    if stale:
+      with _BlobFile(full_blob()) as path:
+        list(self._pool.map(lambda s: _push_one(s, path, version, strict=True), stale))
+    self.version = version
+    return {'sync_servers': len(self.servers), 'sync_full_fallbacks': len(stale),
+            'sync_bytes': len(blob)}
+
+  def close(self):
+    self._pool.shutdown(wait=False)
+
+
+def _push_one(server: ServerClient, path: str, version: int, strict: bool = False):
+  """The lifecycle on one server; 409 is returned (not raised) unless ``strict``."""
+  server.call('POST', '/pause?mode=keep')
+  try:
+    server.call('POST', '/start_weight_update', {})
+    try:
+      server.call('POST', '/update_weights', {'update_info': {'path': path}})
+    except BridgeError as e:
+      server.call('POST', '/finish_weight_update', {})
+      if e.status == 409 and not strict:
+        return 409
+      raise
+    server.call('POST', '/finish_weight_update', {'weight_version': str(version)})
+    return 200
+  finally:
+    server.call('POST', '/resume', {})
+
+
+class _BlobFile:
+  """The blob in a shared-memory file (the temp dir where there is no /dev/shm), removed after."""
+
+  def __init__(self, blob: bytes):
+    self.blob = blob
+
+  def __enter__(self) -> str:
+    directory = SHM if os.path.isdir(SHM) else tempfile.gettempdir()
+    fd, self.path = tempfile.mkstemp(prefix='logra-update-', suffix='.safetensors',
+                                     dir=directory)
+    with os.fdopen(fd, 'wb') as f:
+      f.write(self.blob)
+    return self.path
+
+  def __exit__(self, *exc):
+    os.unlink(self.path)
