@@ -10,11 +10,14 @@ guarantees every touched fused group (qkv_proj, gate_up_proj) is reloaded whole.
 
 A refused update is not raised to vLLM (vLLM would end the session, and the client's
 /finish_weight_update would fail): it is recorded, the session's earlier updates are rolled
-back, and the middleware answers /update_weights with its HTTP status and message.
+back, and the middleware answers /update_weights with its HTTP status and message. A session
+is kept only if /finish_weight_update names its new_version (the middleware then calls
+`commit`); a finish without one rolls it back, as on the JAX engine server.
 """
 import dataclasses
 import glob
 import os
+import tempfile
 import time
 import urllib.request
 from typing import Optional
@@ -33,6 +36,13 @@ from logra_vllm.refs import projection, wire
 
 logger = init_logger(__name__)
 DEFAULT_MAX_BYTES = 4 << 30
+
+
+def update_dirs() -> tuple:
+  """Where update_info.path may point: $LOGRA_UPDATE_DIRS (':'-separated) or shm and tmp."""
+  dirs = os.environ.get('LOGRA_UPDATE_DIRS', '').split(os.pathsep)
+  dirs = [d for d in dirs if d] or ['/dev/shm', tempfile.gettempdir()]
+  return tuple(os.path.realpath(d) for d in dirs if os.path.isdir(d))
 
 
 @dataclasses.dataclass
@@ -78,20 +88,32 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     self.master = read_checkpoint(self.model_config.model)
     self.spec = {name: tuple(x.shape) for name, x in self.master.items()}
     self.max_bytes = int(os.environ.get('LOGRA_MAX_UPDATE_BYTES', DEFAULT_MAX_BYTES))
-    self.version = '0'
+    self.update_dirs = update_dirs()
+    self.token = os.environ.get('LOGRA_BRIDGE_TOKEN', '')
+    self.version = '0'         # the committed version (what the weights are, outside a session)
+    self.pending = None        # the session's new_version once an update is applied
     self.refusal = None        # (status, message) of the session's refused update
     self._undo = None          # {name: master value before this session}, None outside one
-    self._session_version = self.version
     self.last_apply_s = None
 
   def init_transfer_engine(self, init_info: LograInitInfo) -> None:
     del init_info  # nothing to connect: every update names its blob
 
   def start_weight_update(self) -> None:
-    self._undo, self._session_version, self.refusal = {}, self.version, None
+    self._undo, self.pending, self.refusal = {}, None, None
+
+  def commit(self) -> str:
+    """Keeps the session's updates as version `pending` (the middleware calls it on a finish
+    whose weight_version matches)."""
+    if self._undo is None or self.pending is None or self.refusal is not None:
+      raise RuntimeError('logra: nothing to commit')
+    self.version, self.pending, self._undo = self.pending, None, {}
+    return self.version
 
   def finish_weight_update(self) -> None:
-    self._undo = None
+    """Ends the session; whatever was not committed is rolled back."""
+    self._rollback()
+    self._undo, self.pending = None, None
 
   def shutdown(self) -> None:
     pass
@@ -99,20 +121,28 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
   def status(self) -> dict:
     refusal = None if self.refusal is None else {'status': self.refusal[0],
                                                  'error': self.refusal[1]}
-    return {'version': self.version, 'refusal': refusal, 'last_apply_s': self.last_apply_s}
+    return {'version': self.version, 'pending': self.pending, 'refusal': refusal,
+            'in_session': self._undo is not None, 'last_apply_s': self.last_apply_s}
 
   def update_weights(self, update_info) -> None:
-    """Validates, then applies one blob; a refusal is recorded, never half-applied."""
+    """Validates, then applies one blob; a refusal is recorded, never half-applied.
+
+    Every blob of a session applies to the session's base (`version`) and carries the same
+    new_version (chunks of one update), as on the JAX engine server.
+    """
     try:
       if self._undo is None:
         raise _Refused(400, 'update_weights outside a session: call /start_weight_update')
       if self.refusal is not None:
-        raise _Refused(409, 'an earlier update of this session was refused: call '
-                            '/finish_weight_update without a version, then start again')
+        raise _Refused(400, f'this update session already failed ({self.refusal[1]}): '
+                            'finish it without a version')
       if not isinstance(update_info, dict):
         raise _Refused(400, f'update_info must be a JSON object, got {type(update_info).__name__}')
       blob = self._fetch(self.parse_update_info(update_info))
       update = wire.decode(blob, self.spec, self.version, projection)
+      if self.pending not in (None, update.new_version):
+        raise _Refused(400, f"new_version {update.new_version} differs from this session's "
+                            f'{self.pending}')
       self._apply(update)
     except (wire.UpdateError, _Refused) as e:
       self._refuse(e.status, str(e))
@@ -133,6 +163,9 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     return _Refused(413, f'update {where} is {n} bytes, above the limit of {self.max_bytes}')
 
   def _read_file(self, path: str) -> bytes:
+    path = os.path.realpath(path)
+    if not any(os.path.commonpath([path, d]) == d for d in self.update_dirs):
+      raise _Refused(400, f'update path {path!r} must lie in {list(self.update_dirs)}')
     try:
       size = os.path.getsize(path)
       if size > self.max_bytes:
@@ -146,7 +179,8 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     if not url.startswith(('http://', 'https://')):
       raise _Refused(400, f'update url must be http(s), got {url!r}')
     try:
-      with urllib.request.urlopen(url, timeout=120) as r:
+      req = urllib.request.Request(url, headers={'Authorization': f'Bearer {self.token}'})
+      with urllib.request.urlopen(req, timeout=120) as r:
         length = r.headers.get('Content-Length')
         if length is not None and int(length) > self.max_bytes:
           raise self._too_large(int(length), url)
@@ -167,10 +201,10 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     for name in new:
       self._undo.setdefault(name, self.master[name])
     self.master.update(new)
-    self.version = update.new_version
+    self.pending = update.new_version
     self.last_apply_s = time.perf_counter() - start
     logger.info('logra: %s update to version %s, %d tensors applied in %.3f s', update.kind,
-                self.version, len(new), self.last_apply_s)
+                self.pending, len(new), self.last_apply_s)
 
   def _load(self, tensors: dict) -> None:
     """Layerwise reload of the given tensors (whole fused groups, checked by wire.decode)."""
@@ -182,12 +216,16 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     finally:
       finalize_layerwise_reload(self.model, self.model_config)
 
-  def _refuse(self, status: int, message: str) -> None:
-    """Rolls the session back to its start (weights and version) and records the refusal."""
-    logger.warning('logra: update refused (%d): %s', status, message)
+  def _rollback(self) -> None:
+    """Reloads the master values of before the session for every tensor it changed."""
     if self._undo:
       self._load(self._undo)
       self.master.update(self._undo)
       self._undo = {}
-    self.version = self._session_version
+    self.pending = None
+
+  def _refuse(self, status: int, message: str) -> None:
+    """Rolls the session back to its start and records the refusal."""
+    logger.warning('logra: update refused (%d): %s', status, message)
+    self._rollback()
     self.refusal = (status, message)

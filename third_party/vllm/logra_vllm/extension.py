@@ -14,12 +14,19 @@ if ENGINE not in WeightTransferEngineFactory._registry:  # pylint: disable=prote
 class LograWorkerExtension:
   """Mixed into vLLM's worker: what the middleware asks the `logra` engine over RPC."""
 
-  def logra_status(self) -> dict:
-    """{'version', 'refusal': None | {'status', 'error'}, 'last_apply_s'} of this worker."""
+  def _logra_engine(self):
     from logra_vllm.engine import LograWeightTransferEngine  # pylint: disable=g-import-not-at-top
     engine = getattr(self, 'weight_transfer_engine', None)
     if not isinstance(engine, LograWeightTransferEngine):
-      return {'version': None, 'refusal': {
-          'status': 500, 'error': 'the logra engine is not configured (--weight-transfer-config '
-                                  '\'{"backend": "logra"}\')'}, 'last_apply_s': None}
-    return engine.status()
+      raise RuntimeError('the logra engine is not configured (--weight-transfer-config '
+                         '\'{"backend": "logra"}\')')
+    return engine
+
+  def logra_status(self) -> dict:
+    """{'version', 'pending', 'refusal': None | {'status', 'error'}, 'in_session',
+    'last_apply_s'} of this worker's engine."""
+    return self._logra_engine().status()
+
+  def logra_commit(self) -> str:
+    """Keeps the session's applied updates as its new_version (before /finish_weight_update)."""
+    return self._logra_engine().commit()

@@ -5,10 +5,11 @@
   would run for anyone). A refused request gets 401 and reaches nothing.
 * Weight versions start at "0" (vLLM starts at "default").
 * /update_weights: a refusal recorded by the `logra` engine is answered with its 4xx status and
-  a JSON message ``{"error", "weight_version"}``.
-* /finish_weight_update: a ``weight_version`` other than the one the weights are at is refused
-  (409); after a finish the served version is the weights' version and the prefix cache (built
-  with the old weights) is reset.
+  OpenAI-shaped JSON ``{"error": {"message", "type", "code"}, "weight_version"}``.
+* /finish_weight_update {"weight_version": V} keeps the session's updates if V is their
+  new_version (the engine's `commit`), else answers 400 and, like a finish without a version,
+  rolls them back. After a finish the served version is the weights' version and the prefix
+  cache (built with the old weights) is reset.
 """
 import asyncio
 import hmac
@@ -16,6 +17,12 @@ import json
 import os
 
 OPEN_PATHS = ('/health',)
+
+
+def _error(status: int, message: str, **extra) -> dict:
+  """OpenAI's error shape (as the JAX engine server answers), so its client raises with it."""
+  kind = {401: 'authentication_error'}.get(status, 'invalid_request_error')
+  return {'error': {'message': message, 'type': kind, 'code': status}, **extra}
 
 
 async def _send_json(send, status: int, content: dict):
@@ -72,7 +79,7 @@ class LograMiddleware:
     if path not in OPEN_PATHS and not self._authorized(scope):
       if scope['type'] == 'websocket':
         return await send({'type': 'websocket.close', 'code': 1008})
-      return await _send_json(send, 401, {'error': 'missing or wrong bearer token'})
+      return await _send_json(send, 401, _error(401, 'missing or wrong bearer token'))
     if scope['type'] != 'http':
       return await self.app(scope, receive, send)
     engine = scope['app'].state.engine_client
@@ -105,32 +112,44 @@ class LograMiddleware:
     if status == 200:
       state = await self._status(engine)
       if state['refusal'] is not None:
-        return await _send_json(send, state['refusal']['status'],
-                                {'error': state['refusal']['error'],
-                                 'weight_version': state['version']})
+        refusal = state['refusal']
+        return await _send_json(send, refusal['status'], _error(
+            refusal['status'], refusal['error'], weight_version=state['version']))
     for message in messages:
       await send(message)
 
   async def _finish(self, engine, scope, receive, send):
+    """With the session's new_version: commit, then vLLM's finish sets that version. Without
+    one (or with another): vLLM's finish, and the engine rolls the session back."""
     body = await _read_body(receive)
     try:
       wanted = json.loads(body or b'{}').get('weight_version')
     except (ValueError, AttributeError):
-      return await _send_json(send, 400, {'error': 'body must be a JSON object'})
+      return await _send_json(send, 400, _error(400, 'body must be a JSON object'))
     state = await self._status(engine)
-    if wanted is not None and str(wanted) != state['version']:
-      return await _send_json(send, 409, {
-          'error': f'weight_version {wanted!r} given, but the weights are at version '
-                   f'{state["version"]} (a refused update keeps the previous version): finish '
-                   'without a version', 'weight_version': state['version']})
+    problem = None
+    if wanted is not None and state['in_session']:
+      if state['refusal'] is not None or state['pending'] is None:
+        problem = 'nothing to commit: ' + (state['refusal'] or {}).get(
+            'error', 'no update was received')
+      elif str(wanted) != state['pending']:
+        problem = (f"weight_version {wanted!r} differs from the updates' new_version "
+                   f"{state['pending']}")
+      else:
+        await engine.collective_rpc('logra_commit')
+    if problem is not None:
+      body = b'{}'  # vLLM's finish still ends the session; the engine rolls it back
     messages = []
 
     async def capture(message):
       messages.append(message)
     await self.app(scope, _replay(body, receive), capture)
     if messages and messages[0].get('status') == 200:  # synced before the client hears back
-      if await engine.get_weight_version() != state['version']:
-        await engine.update_weight_version(state['version'])
+      version = (await self._status(engine))['version']
+      if await engine.get_weight_version() != version:
+        await engine.update_weight_version(version)
       await engine.reset_prefix_cache()
+      if problem is not None:
+        return await _send_json(send, 400, _error(400, problem, weight_version=version))
     for message in messages:
       await send(message)
