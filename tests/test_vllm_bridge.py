@@ -49,17 +49,9 @@ def hf_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def jax_server(hf_dir):
-  """The embedded JAX engine on the same export, served in this process."""
-  model = api.load(hf_dir)
-  srv = BridgeServer(JaxEngine(model.config, model.params), TOKEN).start()
-  yield srv.url
-  srv.shutdown()
-
-
-@pytest.fixture(scope='module')
 def server(hf_dir, tmp_path_factory):
-  """(base url, {HF name: fp32 weights}) of one vLLM server, killed by its process group."""
+  """(vLLM url, {HF name: fp32 weights}, JAX engine url): one vLLM server (killed by its
+  process group) and the embedded JAX engine on the same export, warmed while vLLM starts."""
   work = tmp_path_factory.mktemp('vllm')
   port = _free_port()
   log = open(work / 'server.log', 'wb')
@@ -69,10 +61,16 @@ def server(hf_dir, tmp_path_factory):
        f'--max-update-bytes={MAX_BYTES}', f'--workdir={work}'],
       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
   url = f'http://127.0.0.1:{port}'
+  jax = None
   try:
+    model = api.load(hf_dir)
+    jax = BridgeServer(JaxEngine(model.config, model.params), TOKEN).start()
+    _greedy(jax.url)  # compiles the sampler while vLLM starts
     _wait_healthy(url, proc, work / 'server.log')
-    yield url, load_file(os.path.join(hf_dir, 'model.safetensors'))
+    yield url, load_file(os.path.join(hf_dir, 'model.safetensors')), jax.url
   finally:
+    if jax is not None:
+      jax.shutdown()
     os.killpg(proc.pid, 15)
     try:
       proc.wait(60)
@@ -161,9 +159,9 @@ def _write(tmp_path, blob, name='update.safetensors'):
   return str(path)
 
 
-def test_same_update_same_outputs_on_jax_and_vllm(server, jax_server, tmp_path):
+def test_same_update_same_outputs_on_jax_and_vllm(server, tmp_path):
   """One low-rank blob to both engines: the same greedy tokens, log-probs within CROSS_ATOL."""
-  url, weights = server
+  url, weights, jax_server = server
   names = _projection_names(weights, range(30))
   outs = {}
   for where in (url, jax_server):
@@ -176,13 +174,13 @@ def test_same_update_same_outputs_on_jax_and_vllm(server, jax_server, tmp_path):
   assert tokens_v == tokens_j
   # Two float32 implementations of one model (oneDNN vs XLA kernels, other summation orders)
   # differ by rounding alone: measured 4.6e-5 before any update and 2.8e-5 after this one,
-  # the same order as RESTORE_ATOL's fp32 sensitivity. CROSS_ATOL leaves 4x room; a wrong A,
-  # sign or scale of the update moves the log-probs by > 1e-2 (the update moves them by ~3).
+  # the same order as RESTORE_ATOL's fp32 sensitivity. CROSS_ATOL leaves 4x room and is four
+  # orders below what the update moves them (~3).
   np.testing.assert_allclose(logp_v, logp_j, rtol=0, atol=CROSS_ATOL)
 
 
 def test_lowrank_then_negation_restores_logprobs(server, tmp_path):
-  url, weights = server
+  url, weights, _ = server
   names = _projection_names(weights, range(30))  # every projection weight: 210 tensors
   tokens0, logp0 = _greedy(url)
   base = _version(url)
@@ -236,7 +234,7 @@ def _refusals(weights, base, tmp_path):
 
 
 def test_refused_updates_keep_weights_and_version(server, tmp_path):
-  url, weights = server
+  url, weights, _ = server
   before, version = _greedy(url), _version(url)
   for what, info, expected in _refusals(weights, version, tmp_path):
     status, out = _send(url, info)
@@ -252,7 +250,7 @@ def test_refused_updates_keep_weights_and_version(server, tmp_path):
 def test_refusal_rolls_back_the_whole_session(server, tmp_path):
   """A good chunk then a refused one in one session: the good one is undone too; and a
   session finished without its new_version is undone whole."""
-  url, weights = server
+  url, weights, _ = server
   before, version = _greedy(url), _version(url)
   layer0 = _projection_names(weights, [0])
   good = _write(tmp_path, _lowrank(weights, layer0, version), 'good')
@@ -294,7 +292,7 @@ class _Blob(http.server.BaseHTTPRequestHandler):
 
 def test_update_from_url(server):
   """update_info {"url"}: the blob the trainer serves over HTTP, then undone the same way."""
-  url, weights = server
+  url, weights, _ = server
   before, version = _greedy(url), _version(url)
   names = _projection_names(weights, [3])
   httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Blob)
@@ -314,7 +312,7 @@ def test_update_from_url(server):
 
 
 def test_every_route_but_health_needs_the_token(server):
-  url, _ = server
+  url, _, _ = server
   assert _req(url, '/health', token=None, method='GET')[0] == 200
   body = {'model': 'x', 'prompt': PROMPT, 'max_tokens': 2}
   for token in (None, 'wrong'):
