@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 WORKDIR ?= runs/tiny
 ARGS ?=
 
-.PHONY: run test venv test-venv clean
+.PHONY: run test venv test-venv vllm-venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,12 @@ $(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
 
 venv: $(VENV)/.installed
 test-venv: $(VENV)/.installed-test
+
+# vLLM's own environment for the generation bridge (third_party/vllm/serve builds it too).
+vllm-venv:
+	python3 -m venv .venv-vllm && \
+	  .venv-vllm/bin/pip install -r third_party/vllm/requirements.txt && \
+	  .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 run: $(VENV)/.installed
 	$(BIN)/python experiments/train.py --config=configs/tiny.py --workdir=$(WORKDIR) $(ARGS)

@@ -1,0 +1,231 @@
+"""`logra`: a vLLM `WeightTransferEngine` applying `logra-update/1` blobs (docs/bridge.md).
+
+The blob arrives in `update_weights` as update_info ``{"path": FILE}`` or ``{"url": URL}``.
+Everything is validated by `wire.decode` (names, shapes, dtypes, finiteness, A checksums, base
+version, whole fused groups) before any weight changes. The engine keeps an fp32 master copy
+of the checkpoint's tensors (HF names and layouts): a low-rank update is W ← W + U @ A on the
+master, and the new values of the touched tensors are loaded through vLLM's layerwise reload
+(on the CPU the linear weights are repacked by oneDNN, so there is no in-place add); wire.decode
+guarantees every touched fused group (qkv_proj, gate_up_proj) is reloaded whole.
+
+A refused update is not raised to vLLM (vLLM would end the session, and the client's
+/finish_weight_update would fail): it is recorded, the session's earlier updates are rolled
+back, and the middleware answers /update_weights with its HTTP status and message. A session
+is kept only if /finish_weight_update names its new_version (the middleware then calls
+`commit`); a finish without one rolls it back, as on the JAX engine server.
+"""
+import dataclasses
+import glob
+import os
+import tempfile
+import time
+import urllib.request
+from typing import Optional
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine,
+                                                   WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                     initialize_layerwise_reload)
+
+from logra_vllm.refs import projection, wire
+
+logger = init_logger(__name__)
+DEFAULT_MAX_BYTES = 4 << 30
+
+
+def update_dirs() -> tuple:
+  """Where update_info.path may point: $LOGRA_UPDATE_DIRS (':'-separated) or shm and tmp."""
+  dirs = os.environ.get('LOGRA_UPDATE_DIRS', '').split(os.pathsep)
+  dirs = [d for d in dirs if d] or ['/dev/shm', tempfile.gettempdir()]
+  return tuple(os.path.realpath(d) for d in dirs if os.path.isdir(d))
+
+
+@dataclasses.dataclass
+class LograInitInfo(WeightTransferInitInfo):
+  """No fields: the blob locations come with each update."""
+
+
+@dataclasses.dataclass
+class LograUpdateInfo(WeightTransferUpdateInfo):
+  path: Optional[str] = None
+  url: Optional[str] = None
+
+
+def read_checkpoint(directory: str) -> dict:
+  """{HF name: float32 numpy array} of every tensor in the directory's safetensors files."""
+  files = sorted(glob.glob(os.path.join(directory, '*.safetensors')))
+  if not files:
+    raise FileNotFoundError(f'no *.safetensors in {directory}: the logra engine needs the '
+                            'HF checkpoint for its fp32 master copy')
+  out = {}
+  for path in files:
+    with safe_open(path, framework='pt') as f:
+      for name in f.keys():
+        out[name] = f.get_tensor(name).float().numpy()
+  return out
+
+
+class _Refused(Exception):
+
+  def __init__(self, status: int, message: str):
+    super().__init__(message)
+    self.status = status
+
+
+class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateInfo]):
+  """Receives `logra-update/1` blobs by path or URL; versions are decimal strings from '0'."""
+  init_info_cls = LograInitInfo
+  update_info_cls = LograUpdateInfo
+  supports_draft_weight_update = False
+
+  def __init__(self, config, vllm_config, device, model):
+    super().__init__(config, vllm_config, device, model)
+    self.master = read_checkpoint(self.model_config.model)
+    self.spec = {name: tuple(x.shape) for name, x in self.master.items()}
+    self.max_bytes = int(os.environ.get('LOGRA_MAX_UPDATE_BYTES', DEFAULT_MAX_BYTES))
+    self.update_dirs = update_dirs()
+    self.token = os.environ.get('LOGRA_BRIDGE_TOKEN', '')
+    self.version = '0'         # the committed version (what the weights are, outside a session)
+    self.pending = None        # the session's new_version once an update is applied
+    self.refusal = None        # (status, message) of the session's refused update
+    self._undo = None          # {name: master value before this session}, None outside one
+    self.last_apply_s = None
+
+  def init_transfer_engine(self, init_info: LograInitInfo) -> None:
+    del init_info  # nothing to connect: every update names its blob
+
+  def start_weight_update(self) -> None:
+    self._undo, self.pending, self.refusal = {}, None, None
+
+  def commit(self) -> str:
+    """Keeps the session's updates as version `pending` (the middleware calls it on a finish
+    whose weight_version matches)."""
+    if self._undo is None or self.pending is None or self.refusal is not None:
+      raise RuntimeError('logra: nothing to commit')
+    self.version, self.pending, self._undo = self.pending, None, {}
+    return self.version
+
+  def finish_weight_update(self) -> None:
+    """Ends the session; whatever was not committed is rolled back."""
+    self._rollback()
+    self._undo, self.pending = None, None
+
+  def shutdown(self) -> None:
+    pass
+
+  def status(self) -> dict:
+    refusal = None if self.refusal is None else {'status': self.refusal[0],
+                                                 'error': self.refusal[1]}
+    return {'version': self.version, 'pending': self.pending, 'refusal': refusal,
+            'in_session': self._undo is not None, 'last_apply_s': self.last_apply_s}
+
+  def update_weights(self, update_info) -> None:
+    """Validates, then applies one blob; a refusal is recorded, never half-applied.
+
+    Every blob of a session applies to the session's base (`version`) and carries the same
+    new_version (chunks of one update), as on the JAX engine server.
+    """
+    try:
+      if self._undo is None:
+        raise _Refused(400, 'update_weights outside a session: call /start_weight_update')
+      if self.refusal is not None:
+        raise _Refused(400, f'this update session already failed ({self.refusal[1]}): '
+                            'finish it without a version')
+      if not isinstance(update_info, dict):
+        raise _Refused(400, f'update_info must be a JSON object, got {type(update_info).__name__}')
+      blob = self._fetch(self.parse_update_info(update_info))
+      update = wire.decode(blob, self.spec, self.version, projection)
+      if self.pending not in (None, update.new_version):
+        raise _Refused(400, f"new_version {update.new_version} differs from this session's "
+                            f'{self.pending}')
+      self._apply(update)
+    except (wire.UpdateError, _Refused) as e:
+      self._refuse(e.status, str(e))
+    except ValueError as e:  # parse_update_info: unknown keys
+      self._refuse(400, str(e))
+
+  def receive_weights(self, update_info: LograUpdateInfo) -> None:
+    self.update_weights(dataclasses.asdict(update_info))
+
+  def _fetch(self, info: LograUpdateInfo) -> bytes:
+    if (info.path is None) == (info.url is None):
+      raise _Refused(400, 'update_info needs exactly one of "path" and "url"')
+    if info.path is not None:
+      return self._read_file(str(info.path))
+    return self._read_url(str(info.url))
+
+  def _too_large(self, n, where):
+    return _Refused(413, f'update {where} is {n} bytes, above the limit of {self.max_bytes}')
+
+  def _read_file(self, path: str) -> bytes:
+    path = os.path.realpath(path)
+    if not any(os.path.commonpath([path, d]) == d for d in self.update_dirs):
+      raise _Refused(400, f'update path {path!r} must lie in {list(self.update_dirs)}')
+    try:
+      size = os.path.getsize(path)
+      if size > self.max_bytes:
+        raise self._too_large(size, path)
+      with open(path, 'rb') as f:
+        return f.read(self.max_bytes + 1)
+    except OSError as e:
+      raise _Refused(400, f'cannot read update path {path!r}: {e}') from e
+
+  def _read_url(self, url: str) -> bytes:
+    if not url.startswith(('http://', 'https://')):
+      raise _Refused(400, f'update url must be http(s), got {url!r}')
+    try:
+      req = urllib.request.Request(url, headers={'Authorization': f'Bearer {self.token}'})
+      with urllib.request.urlopen(req, timeout=120) as r:
+        length = r.headers.get('Content-Length')
+        if length is not None and int(length) > self.max_bytes:
+          raise self._too_large(int(length), url)
+        blob = r.read(self.max_bytes + 1)
+    except (OSError, ValueError) as e:
+      raise _Refused(400, f'cannot fetch update url {url!r}: {e}') from e
+    if len(blob) > self.max_bytes:
+      raise self._too_large(len(blob), url)
+    return blob
+
+  def _apply(self, update) -> None:
+    new = wire.apply(self.master, update)
+    for name, x in new.items():
+      if not np.all(np.isfinite(x)):
+        raise _Refused(400, f'tensor {name} would become non-finite after the update')
+    start = time.perf_counter()
+    self._load(new)
+    for name in new:
+      self._undo.setdefault(name, self.master[name])
+    self.master.update(new)
+    self.pending = update.new_version
+    self.last_apply_s = time.perf_counter() - start
+    logger.info('logra: %s update to version %s, %d tensors applied in %.3f s', update.kind,
+                self.pending, len(new), self.last_apply_s)
+
+  def _load(self, tensors: dict) -> None:
+    """Layerwise reload of the given tensors (whole fused groups, checked by wire.decode)."""
+    dtype = self.model_config.dtype
+    initialize_layerwise_reload(self.model)
+    try:
+      self.model.load_weights(
+          (name, torch.from_numpy(tensors[name]).to(dtype)) for name in sorted(tensors))
+    finally:
+      finalize_layerwise_reload(self.model, self.model_config)
+
+  def _rollback(self) -> None:
+    """Reloads the master values of before the session for every tensor it changed."""
+    if self._undo:
+      self._load(self._undo)
+      self.master.update(self._undo)
+      self._undo = {}
+    self.pending = None
+
+  def _refuse(self, status: int, message: str) -> None:
+    """Rolls the session back to its start and records the refusal."""
+    logger.warning('logra: update refused (%d): %s', status, message)
+    self._rollback()
+    self.refusal = (status, message)
