@@ -391,7 +391,8 @@ def test_bf16_compute_fp32_params_step_is_close_to_the_fp32_step(setup32):
 
 def test_logra_step_skips_a_non_finite_batch(setup32):
   params, batch = setup32[2], setup32[3]
-  p1, o1, m1 = run_logra(setup32, kl_probe='fd')  # a normal step: weights move, the optimizer counts it
+  # A normal step: weights move, the optimizer counts it.
+  p1, o1, m1 = run_logra(setup32, kl_probe='fd')
   assert m1['skipped'] == 0
   assert any(np.any(x != y) for x, y in zip(jax.tree.leaves(p1), jax.tree.leaves(params)))
   assert int(o1[0].count) == 1
