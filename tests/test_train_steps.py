@@ -105,12 +105,20 @@ def to_float32(tree):
   return jax.tree.map(cast, tree)
 
 
+@pytest.fixture
+def no_x64():
+  """fp32/bf16 tests run as users do, even where another test module turned x64 on globally."""
+  with jax.enable_x64(False):
+    yield
+
+
 @pytest.fixture(scope='module')
 def setup32(setup):
   """The same model, params, batch and A in float32 (no x64): float32 compute."""
-  mc = model_config('float32')
-  _, _, params, batch, a = setup
-  return mc, Transformer(mc), to_float32(params), to_float32(batch), to_float32(a)
+  with jax.enable_x64(False):
+    mc = model_config('float32')
+    _, _, params, batch, a = setup
+    return mc, Transformer(mc), to_float32(params), to_float32(batch), to_float32(a)
 
 
 def loss_config(aggregation='token'):
@@ -356,13 +364,13 @@ def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(x64, setup, dense_grads
       close(flat(capped)[path] - w, 0.5 * targets[path])
 
 
-def test_bf16_compute_fp32_params_step_is_close_to_the_fp32_step(setup32):
+def test_bf16_compute_fp32_params_step_is_close_to_the_fp32_step(no_x64, setup32):
   """model.dtype='bfloat16' with fp32 params (the paper configs): fp32 params, sketch, state.
 
   The hybrid of the paper's configs that exercises every bf16-sensitive path: RowAdam and the
   relative step (qwen2_5_math_*) with the finite-difference KL probe (paper_27b).
   """
-  assert jnp.asarray(1.0).dtype == jnp.float32  # this test must not run under x64
+  assert jnp.asarray(1.0).dtype == jnp.float32  # not under x64 (the no_x64 fixture)
   mc16 = model_config('bfloat16')
   assert mc16.param_dtype == 'float32'  # what the trainer builds from model.dtype='bfloat16'
   _, _, params, batch, a = setup32
@@ -389,7 +397,7 @@ def test_bf16_compute_fp32_params_step_is_close_to_the_fp32_step(setup32):
   np.testing.assert_allclose(m16['alpha'], m32['alpha'], rtol=0.04)
 
 
-def test_logra_step_skips_a_non_finite_batch(setup32):
+def test_logra_step_skips_a_non_finite_batch(no_x64, setup32):
   params, batch = setup32[2], setup32[3]
   # A normal step: weights move, the optimizer counts it.
   p1, o1, m1 = run_logra(setup32, kl_probe='fd')
@@ -403,7 +411,7 @@ def test_logra_step_skips_a_non_finite_batch(setup32):
   assert_equal_trees(o2, o1)
 
 
-def test_dense_adam_step_skips_a_non_finite_batch(setup32):
+def test_dense_adam_step_skips_a_non_finite_batch(no_x64, setup32):
   _, model, params, batch, _ = setup32
   step = steps.make_dense_step(model, loss_config(), ADAM_OPT, step_config())
   p1, o1, m1 = step(None, copy(params), ADAM_OPT.init(params), batch)
@@ -416,7 +424,7 @@ def test_dense_adam_step_skips_a_non_finite_batch(setup32):
   assert_equal_trees(o2, o1)
 
 
-def test_rank_schedule_changes_projection_ranks_and_the_state_carries_over(setup32):
+def test_rank_schedule_changes_projection_ranks_and_the_state_carries_over(no_x64, setup32):
   _, _, params, batch, a4 = setup32
   o = OptimSection(rank=RANK, rank_delta=RANK, rank_tau=2.0)
   # r_t = 4 + ceil(4 tanh(t/2)): 4 at t = 0, 8 at t = 10 (tanh(5) > 0.99).
@@ -519,7 +527,7 @@ def test_assemble_batch_by_hand():
   np.testing.assert_array_equal(wide['tokens'][:, 8:], batch['tokens'])
 
 
-def test_jax_generator_is_a_generator_tagged_with_its_weight_version(setup32):
+def test_jax_generator_is_a_generator_tagged_with_its_weight_version(no_x64, setup32):
   mc, _, params, _, _ = setup32
   gen = JaxGenerator(mc, params, version=7, pad_id=0)
   assert isinstance(gen, rl.Generator)
