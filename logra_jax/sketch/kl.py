@@ -71,6 +71,28 @@ def finite_difference_kl_coefficient(logits_fn, probes, updates, eps=1e-3,
   return mean_kl(logits_fn(probes), logits_fn(moved), temperature, mask) / eps**2
 
 
+def finite_difference_kl_at_budget(logits_fn, probes, updates, budget, temperature=1.0,
+                                   mask=None):
+  """q ≈ KL(π_θ ‖ π_{θ+εD}) / ε² at the step the budget allows: the trainer's FD probe.
+
+  A fixed small ε cannot work in finite precision: KL(εD) ≈ ε²q sinks below the rounding
+  floor of the KL of two forwards (~1e-8 in fp32; a bf16 forward loses εD entirely), and q
+  comes out as noise, 0 or negative. A pilot at the nominal step (ε = 1) sets
+  ε = sqrt(budget / q₁), the α the budget allows; there KL ≈ budget, far above the floor,
+  and the O(ε) error of q is the step's own second-order-expansion error.
+  ``logits_fn`` should compute in at least fp32.
+  """
+  base = logits_fn(probes)
+
+  def q_at(eps):
+    moved = jax.tree.map(lambda p, u: p + eps * u.astype(p.dtype), probes, updates)
+    return mean_kl(base, logits_fn(moved), temperature, mask) / eps**2
+
+  q1 = q_at(1.0)
+  ok = (q1 > 0) & (budget > 0)
+  return q_at(jnp.where(ok, jnp.sqrt(budget / jnp.where(ok, q1, 1.0)), 1.0))
+
+
 def step_scale(q, budget, alpha_max=3.0):
   """α = min(α_max, sqrt(budget / q)); 1.0 when q == 0 (as the authors).
 

@@ -128,6 +128,12 @@ class StepConfig(NamedTuple):
   sparse_mask: float
 
 
+def _fp32_compute(model):
+  """``model`` computing in at least fp32: the FD KL probe differences two forwards."""
+  c = model.config
+  return model.clone(config=c.replace(dtype=jnp.promote_types(jnp.float32, c.dtype).name))
+
+
 def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs, sc: StepConfig,
                     sh: Optional[StepShardings] = None):
   """The LoGRA step: sketches → optax → α from predicted KL → kernel += α·AᵀU (in place).
@@ -138,6 +144,7 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   ``sh`` fixes every input's and output's sharding (the sketch accumulators too).
   """
   linear = model.clone(sketch_mode='linear')
+  fd_linear = _fp32_compute(linear) if sc.kl_probe == 'fd' else None
   temp = loss_cfg.temperature
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
 
@@ -152,14 +159,15 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     u, new_opt_state = opt.update(s, opt_state, kernels, projections=projections)
     kl_batch = _kl_subset(batch, sc.kl_sequences)
     kl_mask = kl_batch['target_mask']
-    logits_fn = lambda p: completion_logits(
-        linear, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len)
+    logits_fn = lambda p, m=linear: completion_logits(
+        m, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len)
     if sc.kl_probe == 'jvp':
       base_logits, tangents = sketch.logits_and_tangents(logits_fn, probes, u)
       q = sketch.kl_coefficient(base_logits, tangents, temp, kl_mask)
     else:
       base_logits = logits_fn(probes)
-      q = sketch.finite_difference_kl_coefficient(logits_fn, probes, u, 1e-3, temp, kl_mask)
+      q = sketch.finite_difference_kl_at_budget(lambda p: logits_fn(p, fd_linear), probes, u,
+                                                budget, temp, kl_mask)
     alpha = sketch.step_scale(q, budget, sc.alpha_max) if sc.kl_control else jnp.ones_like(q)
     ok = _all_finite(s) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
     new_params = jax.lax.cond(
