@@ -1,4 +1,5 @@
-# Two commands for a newcomer: `make run` (the tiny LoGRA RL run on the CPU) and `make test`.
+# Two commands for a newcomer: `make run` (the tiny LoGRA RL run on the CPU) and `make test`
+# (builds both environments: ours and vLLM's, which the bridge tests serve from).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,18 +26,23 @@ $(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
 venv: $(VENV)/.installed
 test-venv: $(VENV)/.installed-test
 
-# vLLM's own environment for the generation bridge (third_party/vllm/serve builds it too).
-vllm-venv:
-	python3 -m venv .venv-vllm && \
-	  .venv-vllm/bin/pip install -r third_party/vllm/requirements.txt && \
-	  .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+# vLLM's own environment for the generation bridge (third_party/vllm/serve builds it too);
+# the tests run a real vLLM server from it.
+.venv-vllm/.installed: third_party/vllm/requirements.txt
+	$(PY) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q --upgrade pip
+	.venv-vllm/bin/pip install -q -r third_party/vllm/requirements.txt
+	.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: .venv-vllm/.installed
 
 run: $(VENV)/.installed
 	$(BIN)/python experiments/train.py --config=configs/tiny.py --workdir=$(WORKDIR) $(ARGS)
 
 # pytest exits 5 when it collects no test: that is a failure here, like any non-zero code.
-test: $(VENV)/.installed-test
+test: $(VENV)/.installed-test .venv-vllm/.installed
 	$(BIN)/python -m pytest tests -q -ra --durations=15 $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) .venv-vllm runs

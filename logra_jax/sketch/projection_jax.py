@@ -21,7 +21,7 @@ from jax import lax
 
 from logra_jax.sketch import projection as P
 from logra_jax.sketch.rank import RankRules
-from logra_jax.sketch.tree import DEFAULT_TARGETS, path_str, target_paths
+from logra_jax.sketch.tree import DEFAULT_TARGETS, path_str, stacked_name, target_paths
 
 U32 = jnp.uint32
 
@@ -242,11 +242,11 @@ def sample_projection_jax(seed, step, name_hash, rank, dim, kind='rademacher',
 
 
 def make_projections_jax(params, seed, step, ranks=16, kind='rademacher',
-                         patterns=DEFAULT_TARGETS, dtype=jnp.float32):
+                         patterns=DEFAULT_TARGETS, dtype=jnp.float32, name_fn=stacked_name):
   """``tree.make_projections`` on device: the same tree, bit for bit, inside jit.
 
   ``seed``/``step`` may be traced scalars; ranks and shapes are static. A stacked kernel
-  (L, K, D) gets (L, R, K) from the names f'{path}/{l}'. Every A of one (R, K) is drawn by
+  (L, K, D) gets (L, R, K) from the names ``name_fn(path, l)`` (default f'{path}/{l}'). Every A of one (R, K) is drawn by
   one vmapped call over its name hashes (one compiled generator per distinct shape). Each A
   is in ``dtype`` where ``exact_dtype`` allows it (bfloat16: Rademacher at R = 4**k, ...),
   else in float32.
@@ -259,8 +259,8 @@ def make_projections_jax(params, seed, step, ranks=16, kind='rademacher',
     if len(shape) not in (2, 3):
       raise ValueError(f'sketched kernel {name} must be 2-D or layer-stacked 3-D, got {shape}')
     r = rules.rank(name, *shape[-2:])
-    hashes = (layer_name_hashes(name, shape[0]) if len(shape) == 3
-              else name_hash_array(name)[None])
+    layers = range(shape[0]) if len(shape) == 3 else [None]
+    hashes = np.stack([name_hash_array(name_fn(name, l)) for l in layers])
     key = (r, shape[-2], P.exact_dtype(kind, r, shape[-2], dtype))
     groups.setdefault(key, []).append((path, len(shape) == 3, hashes))
   out = {}

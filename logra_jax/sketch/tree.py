@@ -44,8 +44,14 @@ def kernels_of(params, projections):
   return select(params, list(traverse_util.flatten_dict(projections)))
 
 
+def stacked_name(name: str, layer: Optional[int]) -> str:
+  """The default projection name of a kernel (``layer`` None) or of one layer of a stack."""
+  return name if layer is None else f'{name}/{layer}'
+
+
 def make_projections(params, seed: int, step: int, ranks=16, kind: str = 'rademacher',
-                     patterns: Iterable[str] = DEFAULT_TARGETS, dtype=jnp.float32):
+                     patterns: Iterable[str] = DEFAULT_TARGETS, dtype=jnp.float32,
+                     name_fn: Callable[[str, Optional[int]], str] = stacked_name):
   """Draws A for every sketched kernel of ``params`` (arrays or ShapeDtypeStructs).
 
   Args:
@@ -54,6 +60,8 @@ def make_projections(params, seed: int, step: int, ranks=16, kind: str = 'radema
     ranks: an int, or a ``RankRules`` (per-module ranks by name pattern).
     kind: 'rademacher', 'gaussian' or 'orthogonal' (see `sample_projection`).
     patterns: regexes selecting the sketched kernels.
+    name_fn: (kernel path 'layers/attn/q_proj/kernel', layer or None) -> the name that seeds
+      A. The trainer passes HF tensor names, so that a generator rebuilds A from them.
 
   Returns:
     The projection tree (jnp arrays).
@@ -67,9 +75,9 @@ def make_projections(params, seed: int, step: int, ranks=16, kind: str = 'radema
     d_in, d_out = shape[-2:]
     r = rules.rank(name, d_in, d_out)
     if len(shape) == 2:
-      a = sample_projection(seed, step, name, r, d_in, kind)
+      a = sample_projection(seed, step, name_fn(name, None), r, d_in, kind)
     elif len(shape) == 3:
-      a = np.stack([sample_projection(seed, step, f'{name}/{l}', r, d_in, kind)
+      a = np.stack([sample_projection(seed, step, name_fn(name, l), r, d_in, kind)
                     for l in range(shape[0])])
     else:
       raise ValueError(f'sketched kernel {name} must be 2-D or layer-stacked 3-D, got {shape}')

@@ -126,6 +126,7 @@ class StepConfig(NamedTuple):
   kl_probe: str
   alpha_max: float
   sparse_mask: float
+  return_update: bool = False  # also return α·U (zeros when skipped), for the generator sync
 
 
 def _fp32_compute(model):
@@ -139,7 +140,8 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   """The LoGRA step: sketches → optax → α from predicted KL → kernel += α·AᵀU (in place).
 
   Returns a jitted ``step(params, opt_state, batch, projections, budget, key)`` →
-  ``(params, opt_state, metrics)``; params and opt_state are donated. A non-finite sketch,
+  ``(params, opt_state, metrics)`` (and α·U, the applied update's factor, when
+  ``sc.return_update``); params and opt_state are donated. A non-finite sketch,
   loss or step size skips the update (weights and optimizer state untouched, `skipped` = 1).
   ``sh`` fixes every input's and output's sharding (the sketch accumulators too).
   """
@@ -178,14 +180,17 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
         predicted_kl=alpha**2 * q, kl_coefficient=q, alpha=alpha, kl_budget=budget,
         realized_kl=sketch.mean_kl(base_logits, new_logits, temp, kl_mask),
         sketch_norm=optax.global_norm(s), skipped=1.0 - ok.astype(jnp.float32))
-    return new_params, new_opt_state, metrics
+    if not sc.return_update:
+      return new_params, new_opt_state, metrics
+    applied = jax.tree.map(lambda x: jnp.where(ok, alpha * x, 0).astype(jnp.float32), u)
+    return new_params, new_opt_state, metrics, applied
 
   if sh is None:
     return jax.jit(step, donate_argnums=(0, 1))
   r = sh.replicated
+  outs = (sh.params, sh.opt_state, r) + ((sh.accum,) if sc.return_update else ())
   return jax.jit(step, donate_argnums=(0, 1),
-                 in_shardings=(sh.params, sh.opt_state, sh.batch, r, r, r),
-                 out_shardings=(sh.params, sh.opt_state, r))
+                 in_shardings=(sh.params, sh.opt_state, sh.batch, r, r, r), out_shardings=outs)
 
 
 def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: StepConfig,
