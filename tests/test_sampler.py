@@ -1,24 +1,46 @@
-"""KV-cache sampler vs step-by-step full forward passes (float64)."""
+"""KV-cache sampler: vs step-by-step full forward passes (float64), top-p sets, context limits."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-jax.config.update('jax_enable_x64', True)
-
-from logra_jax.models.config import ModelConfig  # noqa: E402
-from logra_jax.models.sampler import generate, generate_arrays  # noqa: E402
-from logra_jax.models.transformer import Transformer, init_params  # noqa: E402
+from logra_jax.models.config import ModelConfig
+from logra_jax.models.sampler import SamplingParams, generate, generate_arrays, sample_token
+from logra_jax.models.transformer import Transformer, init_params
+from logra_jax.rl.types import GenerationRequest
+from logra_jax.rl.types import SamplingParams as RequestParams
+from logra_jax.train.rollout import JaxGenerator
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3]]
+CONTEXT = 64  # max_position_embeddings of the test model
+
+
+def _model(dtype):
+  c = ModelConfig(vocab_size=20, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=24, rope_theta=100.0, max_position_embeddings=CONTEXT,
+                  dtype=dtype, param_dtype=dtype, qkv_bias=True, architecture='qwen2')
+  return c, init_params(c, jax.random.key(0))
 
 
 @pytest.fixture(scope='module')
 def model():
-  c = ModelConfig(vocab_size=20, hidden_size=16, num_layers=2, num_heads=4, num_kv_heads=2,
-                  intermediate_size=24, rope_theta=100.0, max_position_embeddings=64,
-                  dtype='float64', param_dtype='float64', qkv_bias=True, architecture='qwen2')
-  return c, init_params(c, jax.random.key(0))
+  """float32: for the tests that compare the sampler with itself (no float64 reference)."""
+  return _model('float32')
+
+
+@pytest.fixture(scope='module')
+def _model64_arrays():
+  with jax.enable_x64(True):
+    c, params = _model('float64')
+    return c, jax.tree.map(np.asarray, params)  # float64 numpy: usable in any x64 test
+
+
+@pytest.fixture
+def model64(x64, _model64_arrays):
+  """float64: for the tests that compare against a float64 forward pass at 1e-9."""
+  return _model64_arrays
 
 
 def completion_logits(c, params, prompt, tokens):
@@ -27,8 +49,8 @@ def completion_logits(c, params, prompt, tokens):
   return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
 
 
-def test_greedy_equals_stepwise_argmax(model):
-  c, params = model
+def test_greedy_equals_stepwise_argmax(model64):
+  c, params = model64
   out = generate(params, c, PROMPTS, max_new_tokens=6)
   for prompt, tokens, logps in zip(PROMPTS, out.tokens, out.logprobs):
     # Causal: the logits at step i of a forward pass over prompt + completion are those of
@@ -57,8 +79,8 @@ def test_stop_token_and_length_finish_reasons(model):
 
 
 @pytest.mark.parametrize('temperature,top_p,top_k', [(0.7, 1.0, 0), (1.3, 0.8, 5)])
-def test_sampled_logprobs_match_forward_pass(model, temperature, top_p, top_k):
-  c, params = model
+def test_sampled_logprobs_match_forward_pass(model64, temperature, top_p, top_k):
+  c, params = model64
   out = generate(params, c, PROMPTS, max_new_tokens=5, temperature=temperature, top_p=top_p,
                  top_k=top_k, seeds=[11, 12, 13])
   for prompt, tokens, logps in zip(PROMPTS, out.tokens, out.logprobs):
@@ -96,4 +118,120 @@ def test_no_recompile_for_same_bucket(model):
   generate(params, c, [[1, 2, 3]], max_new_tokens=4)
   before = generate_arrays._cache_size()
   generate(params, c, [[4, 5]], max_new_tokens=4)  # same (batch, length) bucket
+  generate(params, c, [[4, 5]], max_new_tokens=4, stop_token_ids=[3, 7])  # stop ids padded
   assert generate_arrays._cache_size() == before
+
+
+# --- top-p: every sampled token lies in the nucleus, computed independently in numpy -------
+
+
+def nucleus(logits_V, top_p):
+  """The smallest set of tokens whose probability (float64 softmax) reaches top_p.
+
+  Tokens tied with the last one needed are all in the set (the sampler keeps every token at
+  or above the threshold logit); the random rows below have no ties.
+  """
+  z = np.asarray(logits_V, np.float64)
+  probs = np.exp(z - z.max())
+  probs /= probs.sum()
+  order = np.argsort(-probs, kind='stable')
+  k = min(int(np.searchsorted(np.cumsum(probs[order]), top_p)), len(z) - 1)
+  return set(np.flatnonzero(z >= z[order[k]]).tolist())
+
+
+def _clear_of(logits_V, top_p, margin):
+  """Whether no partial mass of the sorted probabilities lies within `margin` of top_p."""
+  z = np.asarray(logits_V, np.float64)
+  probs = np.sort(np.exp(z - z.max()))[::-1]
+  return np.min(np.abs(np.cumsum(probs / probs.sum()) - top_p)) > margin
+
+
+@functools.partial(jax.jit, static_argnames=('steps', 'sampling'))
+def _draw(logits_RxV, steps, sampling):
+  """(steps, R) tokens: `steps` independent draws per row (the step is folded into the key)."""
+  keys_R = jax.vmap(jax.random.key)(jnp.arange(logits_RxV.shape[0]))
+  return jax.vmap(lambda s: sample_token(logits_RxV, keys_R, s, sampling)[0])(jnp.arange(steps))
+
+
+def _random_rows(rng, n, vocab, top_p, temperature):
+  """Random logit rows whose partial masses (at this temperature) all keep 1e-5 from top_p.
+
+  float32 softmax/cumsum in the sampler and float64 here differ by ~1e-7 per partial sum
+  (vocab 12), so a 1e-5 margin keeps both sides from landing on different sides of top_p.
+  """
+  rows = []
+  while len(rows) < n:
+    z = (2.0 * rng.normal(size=vocab)).astype(np.float32)
+    if _clear_of(z / temperature, top_p, 1e-5):
+      rows.append(z)
+  return np.stack(rows)
+
+
+@pytest.mark.parametrize('top_p,temperature', [(0.5, 1.0), (0.9, 1.0), (0.8, 0.7)])
+def test_top_p_samples_lie_in_the_nucleus(top_p, temperature):
+  logits_RxV = _random_rows(np.random.default_rng(0), 64, 12, top_p, temperature)
+  drawn_SxR = np.asarray(_draw(logits_RxV, 256, SamplingParams(temperature, top_p)))
+  for r in range(logits_RxV.shape[0]):
+    allowed = nucleus(logits_RxV[r] / temperature, top_p)
+    sampled = set(drawn_SxR[:, r].tolist())
+    assert sampled <= allowed, (r, sorted(sampled - allowed), sorted(allowed))
+
+
+@pytest.mark.parametrize('top_p,size', [(0.7 - 1e-4, 2), (0.7 + 1e-4, 3)])
+def test_top_p_boundary(top_p, size):
+  """Top masses 0.4, 0.3, 0.2 (the other 9 tokens share 0.1): p just below 0.7 keeps two
+  tokens, just above keeps three. The 1e-4 margin is ~1000x the float32 error of the partial
+  sums, and every kept token has renormalised probability >= 0.2, so 256 draws see each one
+  (a miss has probability < 0.8 ** 256 ~ 1e-25): the sampled set must BE the nucleus."""
+  probs = np.array([0.4, 0.3, 0.2] + [0.1 / 9] * 9)
+  rng = np.random.default_rng(1)
+  logits_RxV = np.stack([np.log(rng.permutation(probs)) for _ in range(8)]).astype(np.float32)
+  drawn_SxR = np.asarray(_draw(logits_RxV, 256, SamplingParams(1.0, top_p)))
+  for r in range(logits_RxV.shape[0]):
+    allowed = nucleus(logits_RxV[r], top_p)
+    assert len(allowed) == size
+    assert set(drawn_SxR[:, r].tolist()) == allowed
+
+
+# --- context: prompt + max_new_tokens beyond the model's positions is an error up front ----
+
+
+def test_generate_rejects_requests_beyond_the_context(model):
+  c, params = model
+  before = generate_arrays._cache_size()
+  with pytest.raises(ValueError, match=r'longest prompt \(50 tokens\) \+ max_new_tokens \(15\) '
+                                       r'= 65 exceeds the model context '
+                                       r'max_position_embeddings=64'):
+    generate(params, c, [[1] * 50, [2, 3]], max_new_tokens=15)
+  with pytest.raises(ValueError, match='max_new_tokens must be a positive int, got 0'):
+    generate(params, c, [[1, 2]], max_new_tokens=0)
+  assert generate_arrays._cache_size() == before  # nothing was traced or run
+  tokens = np.ones((1, 56), np.int32)  # a padded length that does not fit, called directly
+  with pytest.raises(ValueError, match=r'padded prompt length \(56 tokens\) \+ max_new_tokens '
+                                       r'\(9\) = 65 exceeds'):
+    generate_arrays(params, tokens, tokens > 0, np.zeros(1, np.uint32), np.array([-1], np.int32),
+                    config=c, max_new_tokens=9, sampling=SamplingParams())
+
+
+def test_generate_fills_the_context_exactly(model):
+  """50 + 14 = 64 fits, though the prompt bucket (64) would not: the prompt is left unpadded,
+  and the last position used is 63 (logits still match a forward pass over all 64 tokens)."""
+  c, params = model
+  prompt = [int(t) for t in np.random.default_rng(0).integers(3, 20, size=50)]
+  out = generate(params, c, [prompt], max_new_tokens=14, stop_token_ids=())
+  assert len(out.tokens[0]) == 14
+  logits = completion_logits(c, params, prompt, out.tokens[0])
+  assert out.tokens[0] == jnp.argmax(logits, axis=-1).tolist()
+
+
+def test_jax_generator_rejects_requests_beyond_the_context(model):
+  c, params = model
+  gen = JaxGenerator(c, params)
+  sp = RequestParams(temperature=1.0, max_new_tokens=20)
+  with pytest.raises(ValueError, match=r'longest prompt \(45 tokens\) \+ max_new_tokens \(20\) '
+                                       r'= 65 exceeds the model context '
+                                       r'max_position_embeddings=64'):
+    gen.generate([GenerationRequest([1, 2, 3], sp), GenerationRequest([4] * 45, sp)])
+  other = RequestParams(temperature=1.0, max_new_tokens=20, stop_token_ids=(2,))
+  with pytest.raises(ValueError, match='stop_token_ids'):
+    gen.generate([GenerationRequest([1, 2, 3], sp), GenerationRequest([4, 5], other)])

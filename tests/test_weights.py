@@ -7,6 +7,8 @@ absolute at logits up to ~38). A real conversion bug (q/k permutation, transposi
 rope) moves logits by O(1), i.e. > 1e-2 of the scale (`test_gguf_qk_permutation_matters`
 shows it), so a bound of 2e-5 of the scale is 5x above the noise and far below any bug.
 """
+import copy
+import dataclasses
 import json
 import os
 
@@ -14,11 +16,14 @@ import gguf
 import jax
 import numpy as np
 import pytest
+import tokenizers
 import torch
 import transformers
 
 from logra_jax import models
-from logra_jax.models import gguf_io, hf_io
+from logra_jax.models import gguf_io, hf_io, stops
+from logra_jax.train import tasks
+from logra_jax.train.config import TrainConfig
 
 # One torch thread: with 2 cores shared with JAX (and other jobs) torch's OpenMP threads spin
 # against each other; measured 25 s -> 1.2 s for a 16-token HF generate here.
@@ -128,6 +133,55 @@ def test_export_reload_is_exact(smollm, export_dir):
   jax.tree.map(np.testing.assert_array_equal, again.params, smollm.params)
 
 
+ARITH = [{'role': 'user', 'content': 'What is 2+2? Answer with a number only.'}]
+
+
+def test_chat_model_stops_at_end_of_turn(smollm, prompts):
+  """A tokenizer whose eos is `<|endoftext|>` while turns end with `<|im_end|>` (as Qwen2.5's
+  base tokenizers): stopping on eos alone runs to max_new_tokens; the full stop set stops.
+
+  The packaged SmolLM2 tokenizer's eos is `<|im_end|>` itself; the copy only renames eos.
+  Same 4-row batch shape as the greedy test above, so the sampler compiles once for both.
+  """
+  tok = copy.deepcopy(smollm.tokenizer)
+  tok.eos_token = '<|endoftext|>'
+  im_end = tok.convert_tokens_to_ids('<|im_end|>')
+  assert (tok.eos_token_id, im_end, stops.end_of_turn_token_id(smollm.tokenizer)) == (0, 2, 2)
+  assert smollm.stop_token_ids == (2,)
+  chat = models.Model(smollm.config.replace(eos_token_ids=(0,)), smollm.params, 'eos 0',
+                      lambda: tok)
+  assert chat.stop_token_ids == (0, im_end)
+  ids = prompts[:3] + [tok.apply_chat_template(ARITH, add_generation_prompt=True,
+                                               return_dict=False)]
+  eos_only = chat.generate(ids, max_new_tokens=16, stop_token_ids=[tok.eos_token_id])
+  stopped = chat.generate(ids, max_new_tokens=16)
+  assert len(eos_only[3]) == 16  # '2 + 2 = 4<|im_end|>' and on, never <|endoftext|>
+  assert stopped[3][-1] == im_end and len(stopped[3]) < 16
+  assert tok.decode(stopped[3], skip_special_tokens=True).strip() == '2 + 2 = 4'
+  assert stopped[3] == eos_only[3][:len(stopped[3])]
+
+
+def file_task_config(tmp_path, model_path=''):
+  """A TrainConfig whose prompts are a 10-problem JSONL file (chat template on)."""
+  problems = tmp_path / 'problems.jsonl'
+  problems.write_text(''.join(json.dumps({'problem': f'what is {i}', 'answer': str(i)}) + '\n'
+                              for i in range(10)))
+  cfg = TrainConfig()
+  return dataclasses.replace(
+      cfg, data=dataclasses.replace(cfg.data, source='file', path=str(problems),
+                                    prompts_per_step=2),
+      model=dataclasses.replace(cfg.model, path=model_path))
+
+
+def test_task_stop_ids_include_the_end_of_turn_token(smollm, tmp_path):
+  """The RL task's stop ids (what every rollout request carries) on the SmolLM2 tokenizer
+  with eos renamed as above: <|endoftext|> and the template's <|im_end|>."""
+  tok = copy.deepcopy(smollm.tokenizer)
+  tok.eos_token = '<|endoftext|>'
+  assert tasks.build_task(file_task_config(tmp_path), tokenizer=tok).stop_ids == (0, 2)
+  assert tasks.build_task(file_task_config(tmp_path), tokenizer=smollm.tokenizer).stop_ids == (2,)
+
+
 # --- tiny models: every family variant, sharding, errors ------------------------------------
 
 
@@ -164,6 +218,67 @@ def hf_io_arch(config):
   return {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM'}[config.architecture]
 
 
+def hf_random_model(model_cls, hf_config, seed=0):
+  """A transformers model with every parameter redrawn (its init zeroes the q/k/v biases)."""
+  torch.manual_seed(seed)
+  hf = model_cls(hf_config).float().eval()
+  with torch.no_grad():
+    for name, p in hf.named_parameters():
+      noise = torch.randn(p.shape)
+      p.copy_(1.0 + 0.2 * noise if name.endswith('norm.weight') else 0.3 * noise)
+  return hf
+
+
+ROPE_SCALINGS = {'linear': {'rope_type': 'linear', 'factor': 4.0},
+                 # original context 256 over head_dim 32, theta 1e4: wavelengths 6..283k put
+                 # frequencies in all three llama3 bands (kept, smoothed, divided by factor).
+                 'llama3': {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                            'high_freq_factor': 4.0, 'original_max_position_embeddings': 256}}
+
+
+@pytest.mark.parametrize('kind', sorted(ROPE_SCALINGS))
+def test_rope_scaled_llama_matches_transformers(kind, tmp_path):
+  """A random LlamaForCausalLM with rope scaling, saved by transformers, through our loader.
+
+  48 positions so the low frequencies turn far enough for the scaling to move the logits.
+  Measured max |ours - HF| / max |HF|: 2.8e-6 (linear), 3.3e-6 (llama3), under REL_TOL; with
+  the scaling dropped 1.5 and 0.83 (checked below: > 1e-2).
+  """
+  hf_config = transformers.LlamaConfig(
+      vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+      num_key_value_heads=1, head_dim=32, intermediate_size=48, rope_theta=10000.0,
+      max_position_embeddings=1024, rope_scaling=ROPE_SCALINGS[kind], tie_word_embeddings=False)
+  hf = hf_random_model(transformers.LlamaForCausalLM, hf_config)
+  hf.save_pretrained(str(tmp_path))
+  ours = models.load(str(tmp_path))
+  assert ours.config.rope_scaling_dict['rope_type'] == kind
+  ids = np.random.default_rng(0).integers(0, 64, size=48).tolist()
+  ref = hf_logits(hf, ids)[0]
+  assert rel_err(ours.logits(ids)[0], ref) < REL_TOL
+  unscaled = models.Model(ours.config.replace(rope_scaling=None), ours.params, 'unscaled')
+  assert rel_err(unscaled.logits(ids)[0], ref) > 1e-2
+
+
+def test_qwen2_checkpoint_from_transformers(tmp_path):
+  """A random Qwen2ForCausalLM (q/k/v biases redrawn nonzero, tied head as in Qwen2.5-0.5B
+  and -1.5B) saved by transformers, loaded by our HF loader. Measured 9.3e-7 of the scale
+  (REL_TOL 2e-5); with the biases zeroed it is 0.63."""
+  hf_config = transformers.Qwen2Config(
+      vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, intermediate_size=48, rope_theta=1e6, rms_norm_eps=1e-6,
+      max_position_embeddings=128, tie_word_embeddings=True)
+  hf = hf_random_model(transformers.Qwen2ForCausalLM, hf_config)
+  hf.save_pretrained(str(tmp_path))
+  ours = models.load(str(tmp_path))
+  assert (ours.config.architecture, ours.config.qkv_bias, ours.config.tie_embeddings) == (
+      'qwen2', True, True)
+  bias = np.asarray(ours.params['layers']['attn']['k_proj']['bias'])
+  np.testing.assert_array_equal(
+      bias[1], hf.model.layers[1].self_attn.k_proj.bias.detach().numpy())
+  ids = [1, 5, 9, 33, 7, 2, 60, 11, 0, 42, 17, 3]
+  assert rel_err(ours.logits(ids)[0], hf_logits(hf, ids)[0]) < REL_TOL
+
+
 def test_sharded_round_trip(tmp_path):
   config = tiny_config(architecture='qwen2', qkv_bias=True)
   params = random_params(config)
@@ -184,7 +299,7 @@ def test_preset_load():
   assert len(new) == 4 and all(0 <= t < 32 for t in new)
 
 
-def write_tiny_gguf(path, params, config, arch='llama', q8_1_tensor=None):
+def write_tiny_gguf(path, params, config, arch='llama', q8_1_tensor=None, eot_token_id=None):
   """A GGUF as llama.cpp's converter writes it: HF layout, q/k rows permuted (llama)."""
   w = gguf.GGUFWriter(str(path), arch)
   w.add_block_count(config.num_layers)
@@ -199,6 +314,8 @@ def write_tiny_gguf(path, params, config, arch='llama', q8_1_tensor=None):
   w.add_bos_token_id(config.bos_token_id)
   w.add_eos_token_id(config.eos_token_ids[0])
   w.add_pad_token_id(config.pad_token_id)
+  if eot_token_id is not None:
+    w.add_eot_token_id(eot_token_id)
   to_gguf = {hf: g for g, hf in gguf_io.GGUF_TO_HF.items()}
   for name, array in hf_io.hf_tensors(params, config).items():
     key = name if '.layers.' not in name else '.'.join(
@@ -225,6 +342,47 @@ def test_tiny_gguf_round_trip(tmp_path):
   loaded, config2 = gguf_io.load_gguf(write_tiny_gguf(tmp_path / 'm.gguf', params, config))
   assert config2 == config.replace(rms_norm_eps=float(np.float32(1e-5)))  # GGUF stores f32
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_tiny_gguf_eot_token_is_a_stop_id(tmp_path):
+  config = tiny_config()
+  path = write_tiny_gguf(tmp_path / 'm.gguf', random_params(config), config, eot_token_id=9)
+  assert gguf_io.load_gguf(path)[1].eos_token_ids == (2, 9)
+
+
+def chat_tokenizer():
+  """A word-level tokenizer: eos <|endoftext|> (2), turns end with <|im_end|> (4)."""
+  words = ['<unk>', '<s>', '<|endoftext|>', '<|im_start|>', '<|im_end|>', 'user', 'assistant']
+  word = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {w: i for i, w in enumerate(words)}, unk_token='<unk>'))
+  word.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  word.add_special_tokens(['<|endoftext|>', '<|im_start|>', '<|im_end|>'])
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, eos_token='<|endoftext|>',
+                                             unk_token='<unk>', pad_token='<unk>')
+  tok.chat_template = ('{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}'
+                       '<|im_end|>\n{% endfor %}'
+                       '{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}')
+  return tok
+
+
+def test_hf_dir_stop_set_from_generation_config_and_template(tmp_path):
+  """generation_config.json lists several eos ids: all of them stop, as does the template's
+  end-of-turn token; the RL task built from model.path carries the whole set."""
+  config = tiny_config()
+  model = models.Model(config, random_params(config), 'random')
+  greedy = model.generate([1, 5, 9], max_new_tokens=8, stop_token_ids=())
+  stop = greedy[1]  # a token of no other stop kind, emitted before any of them
+  assert greedy[0] not in (2, 4, stop) and stop not in (2, 4)
+  directory = tmp_path / 'hf'
+  hf_io.save_hf_checkpoint(str(directory), model.params, config, tokenizer=chat_tokenizer())
+  gen = json.loads((directory / 'generation_config.json').read_text())
+  (directory / 'generation_config.json').write_text(json.dumps(gen | {'eos_token_id': [2, stop]}))
+  loaded = models.load(str(directory))
+  assert loaded.config.eos_token_ids == (2, stop)
+  assert loaded.stop_token_ids == (2, stop, 4)
+  assert loaded.generate([1, 5, 9], max_new_tokens=8) == greedy[:2]
+  task = tasks.build_task(file_task_config(tmp_path, model_path=str(directory)))
+  assert task.stop_ids == (2, stop, 4)
 
 
 # --- bad input ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from logra_jax.models import gguf_io, hf_io, sampler
+from logra_jax.models import gguf_io, hf_io, sampler, stops
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.presets import PRESETS, get_preset
 from logra_jax.models.transformer import Transformer, init_params
@@ -54,6 +54,12 @@ class Model:
   def tokenizer(self):
     return self._tokenizer_fn() if self._tokenizer_fn else None
 
+  @functools.cached_property
+  def stop_token_ids(self) -> tuple:
+    """The full stop set: the config's EOS ids (config.json, generation_config.json or the
+    GGUF's eos/eot ids), the tokenizer's EOS and its chat template's end-of-turn token."""
+    return stops.stop_token_ids(self.tokenizer, self.config.eos_token_ids)
+
   def logits(self, token_ids) -> np.ndarray:
     """float32 logits [batch, seq, vocab] of a token list or a batch of them.
 
@@ -72,11 +78,11 @@ class Model:
                stop_token_ids: Optional[Sequence[int]] = None, seed: int = 0):
     """New token ids (a list, or a list of lists for a batch) from the KV-cache sampler.
 
-    Stops at `stop_token_ids` (default: the config's EOS ids; `()` never stops), which are
-    kept in the output. Row i samples with seed `seed + i`.
+    Stops at `stop_token_ids` (default: `self.stop_token_ids`, the model's full stop set;
+    `()` never stops), which are kept in the output. Row i samples with seed `seed + i`.
     """
     rows, single = _as_batch(token_ids)
-    stop = self.config.eos_token_ids if stop_token_ids is None else tuple(stop_token_ids)
+    stop = self.stop_token_ids if stop_token_ids is None else tuple(stop_token_ids)
     out = sampler.generate(self.params, self.config, rows, max_new_tokens,
                            temperature=temperature, top_p=top_p, top_k=top_k,
                            stop_token_ids=stop, seeds=[seed + i for i in range(len(rows))])

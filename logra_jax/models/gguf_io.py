@@ -46,7 +46,11 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = KeyError):
 
 
 def gguf_config(reader: gguf.GGUFReader, **overrides) -> ModelConfig:
-  """ModelConfig from the GGUF metadata (`{arch}.embedding_length`, ...)."""
+  """ModelConfig from the GGUF metadata (`{arch}.embedding_length`, ...).
+
+  `eos_token_ids`: the tokenizer's eos id, then its end-of-turn (eot) and end-of-message
+  (eom) ids where the file has them (llama.cpp's converter writes these for chat models).
+  """
   arch = _field(reader, 'general.architecture')
   if arch not in ('llama', 'qwen2'):
     raise ValueError(f'GGUF metadata field general.architecture={arch!r} is not supported '
@@ -63,7 +67,7 @@ def gguf_config(reader: gguf.GGUFReader, **overrides) -> ModelConfig:
     raise ValueError(f'GGUF metadata field {arch}.rope.scaling.type={rope_type!r} is not '
                      "supported (supported: 'none', 'linear')")
   names = {t.name for t in reader.tensors}
-  eos = _field(reader, 'tokenizer.ggml.eos_token_id', None)
+  eos = [_field(reader, f'tokenizer.ggml.{k}_token_id', None) for k in ('eos', 'eot', 'eom')]
   kw = dict(
       vocab_size=f('vocab_size', None) or len(reader.fields['tokenizer.ggml.tokens'].data),
       hidden_size=hidden, num_layers=f('block_count'), num_heads=heads,
@@ -75,7 +79,7 @@ def gguf_config(reader: gguf.GGUFReader, **overrides) -> ModelConfig:
       qkv_bias='blk.0.attn_q.bias' in names, tie_embeddings='output.weight' not in names,
       max_position_embeddings=f('context_length', 2048), architecture=arch,
       bos_token_id=_field(reader, 'tokenizer.ggml.bos_token_id', None),
-      eos_token_ids=() if eos is None else (eos,),
+      eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
       pad_token_id=_field(reader, 'tokenizer.ggml.padding_token_id', None))
   kw.update(overrides)
   return ModelConfig(**kw)

@@ -93,8 +93,26 @@ def _get(tree: dict, path: tuple):
   return tree
 
 
+def read_generation_eos(directory: str) -> tuple:
+  """The `eos_token_id` (one id or a list) of `directory/generation_config.json`, or ()."""
+  path = os.path.join(directory, 'generation_config.json')
+  if not os.path.isfile(path):
+    return ()
+  with open(path) as f:
+    eos = json.load(f).get('eos_token_id')
+  ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise ValueError(f'{path}: field eos_token_id must be a token id or a list of them, '
+                     f'got {eos!r}')
+  return ids
+
+
 def read_hf_config(directory: str) -> ModelConfig:
-  """`ModelConfig` from `directory/config.json` (errors name the bad field)."""
+  """`ModelConfig` from `directory/config.json` (errors name the bad field).
+
+  Its `eos_token_ids` are config.json's followed by any other ids generation_config.json
+  lists (chat models list their end-of-turn ids there).
+  """
   path = os.path.join(directory, 'config.json')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'no config.json in HF checkpoint directory {directory!r}')
@@ -104,7 +122,9 @@ def read_hf_config(directory: str) -> ModelConfig:
   # Through transformers' config class for the family, so its defaults fill absent fields.
   from transformers import AutoConfig  # pylint: disable=g-import-not-at-top
   fields = {k: v for k, v in fields.items() if k != 'model_type'}
-  return ModelConfig.from_hf_config(AutoConfig.for_model(model_type, **fields))
+  config = ModelConfig.from_hf_config(AutoConfig.for_model(model_type, **fields))
+  eos = tuple(dict.fromkeys(config.eos_token_ids + read_generation_eos(directory)))
+  return config.replace(eos_token_ids=eos)
 
 
 def _tensor_files(directory: str) -> dict:

@@ -8,6 +8,8 @@ power-of-two buckets to limit recompiles. Each row samples with its own key deri
 seed, so a row's sample does not depend on the rest of the batch. The returned log-prob of a
 token is under softmax(logits / T) of the full vocabulary (softmax(logits) when greedy), before
 top-k / top-p truncation. A stop token is kept in the completion and counted in its length.
+A prompt plus `max_new_tokens` must fit the model's context (`max_position_embeddings`): a
+longer request is an error before anything is generated.
 """
 import dataclasses
 import functools
@@ -111,13 +113,16 @@ def generate_arrays(params, prompt_BxP, prompt_mask_BxP, seeds_B, stop_ids, *,
     prompt_mask_BxP: bool, True on real prompt tokens.
     seeds_B: int seeds, one per row.
     stop_ids: int32 (N,) stop token ids (may be empty; pad with -1).
-    config, max_new_tokens, sampling: static.
+    config, max_new_tokens, sampling: static. P + max_new_tokens must be at most
+      config.max_position_embeddings (ValueError otherwise, at trace time).
 
   Returns:
-    completions_BxT int32 (0 after the end), logprobs_BxT float32 (float64 for a float64 model; 0 after the end),
+    completions_BxT int32 (0 after the end), logprobs_BxT float32 (float64 for a float64
+    model; 0 after the end),
     lengths_B int32, stopped_B bool (True = finished on a stop token).
   """
   b, p = prompt_BxP.shape
+  check_context(config, p, max_new_tokens, 'the padded prompt length')
   model = Transformer(config)
   # The barrier keeps XLA from constant-folding prefill attention over the all-zero cache.
   cache = jax.lax.optimization_barrier(init_cache(config, b, p + max_new_tokens))
@@ -145,6 +150,39 @@ def bucket_size(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << (n - 1).bit_length())
 
 
+def check_context(config: ModelConfig, prompt_len: int, max_new_tokens: int,
+                  what: str = 'the longest prompt'):
+  """Raises ValueError unless prompt_len + max_new_tokens fits the model's context."""
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be a positive int, got {max_new_tokens!r}')
+  if prompt_len + max_new_tokens > config.max_position_embeddings:
+    raise ValueError(
+        f'{what} ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = '
+        f'{prompt_len + max_new_tokens} exceeds the model context '
+        f'max_position_embeddings={config.max_position_embeddings}: shorten the prompt or '
+        'lower max_new_tokens')
+
+
+def prompt_length(config: ModelConfig, longest: int, max_new_tokens: int,
+                  bucket: bool = True) -> int:
+  """The padded prompt length P for prompts of at most `longest` tokens.
+
+  The power-of-two bucket (≥ 8) when it fits the context with `max_new_tokens`, else the
+  exact `longest`; a clear error (before any generation) when even that does not fit.
+  """
+  check_context(config, longest, max_new_tokens)
+  p = bucket_size(longest, 8) if bucket else longest
+  return p if p + max_new_tokens <= config.max_position_embeddings else longest
+
+
+def stop_array(stop_token_ids: Sequence[int]) -> np.ndarray:
+  """int32 stop ids padded with -1 to a power of two (≥ 4): one compile for small stop sets."""
+  ids = [int(t) for t in stop_token_ids]
+  out = np.full((bucket_size(len(ids) or 1, 4),), -1, np.int32)
+  out[:len(ids)] = ids
+  return out
+
+
 def pad_prompts(prompt_ids: Sequence[Sequence[int]], batch: int, length: int, pad_id: int = 0):
   """Left-pads prompts into (batch, length) arrays; extra rows hold a single pad token."""
   tokens = np.full((batch, length), pad_id, np.int32)
@@ -168,15 +206,12 @@ def generate(params, config: ModelConfig, prompt_ids: Sequence[Sequence[int]],
   seeds = list(range(n)) if seeds is None else list(seeds)
   if len(seeds) != n:
     raise ValueError(f'got {len(seeds)} seeds for {n} prompts')
-  longest = max(len(ids) for ids in prompt_ids)
-  batch, length = (bucket_size(n), bucket_size(longest, 8)) if bucket else (n, longest)
-  if length + max_new_tokens > config.max_position_embeddings:
-    length = longest
+  length = prompt_length(config, max(len(ids) for ids in prompt_ids), max_new_tokens, bucket)
+  batch = bucket_size(n) if bucket else n
   tokens, mask = pad_prompts(prompt_ids, batch, length, config.pad_token_id or 0)
   seeds_B = np.zeros((batch,), np.uint32)
   seeds_B[:n] = np.asarray(seeds, np.int64).astype(np.uint32)
-  stop_ids = np.asarray(list(stop_token_ids) or [-1], np.int32)
-  out = generate_arrays(params, tokens, mask, seeds_B, stop_ids, config=config,
+  out = generate_arrays(params, tokens, mask, seeds_B, stop_array(stop_token_ids), config=config,
                         max_new_tokens=max_new_tokens,
                         sampling=SamplingParams(temperature, top_p, top_k))
   toks, logps, lens, stopped = jax.device_get(out)

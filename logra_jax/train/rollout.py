@@ -9,16 +9,18 @@ import numpy as np
 from logra_jax import parallel
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.sampler import SamplingParams as EngineSampling
-from logra_jax.models.sampler import bucket_size, generate_arrays, pad_prompts
+from logra_jax.models.sampler import (bucket_size, generate_arrays, pad_prompts, prompt_length,
+                                      stop_array)
 from logra_jax.rl.types import GenerationRequest, GenerationResult
 
 
 class JaxGenerator:
   """Samples with the in-process KV-cache sampler; satisfies `logra_jax.rl.Generator`.
 
-  All requests of one call share max_new_tokens and sampling settings (one compiled program
-  per shape bucket). Per-completion seeds come from the request's seed, so a completion does
-  not depend on the rest of the batch.
+  All requests of one call share max_new_tokens, sampling settings and stop ids (one compiled
+  program per shape bucket). The longest prompt plus max_new_tokens must fit the model's
+  context (ValueError before generation). Per-completion seeds come from the request's seed,
+  so a completion does not depend on the rest of the batch.
   """
 
   def __init__(self, config: ModelConfig, params, version: int = 0, pad_id: int = 0):
@@ -36,8 +38,10 @@ class JaxGenerator:
       return []
     sp = requests[0].params
     if any(r.params.max_new_tokens != sp.max_new_tokens or r.params.temperature != sp.temperature
-           or r.params.top_p != sp.top_p or r.params.top_k != sp.top_k for r in requests):
-      raise ValueError('JaxGenerator needs the same sampling settings for all requests of a call')
+           or r.params.top_p != sp.top_p or r.params.top_k != sp.top_k
+           or r.params.stop_token_ids != sp.stop_token_ids for r in requests):
+      raise ValueError('JaxGenerator needs the same sampling settings (max_new_tokens, '
+                       'temperature, top_p, top_k, stop_token_ids) for all requests of a call')
     prompts, seeds, owners = [], [], []
     for i, r in enumerate(requests):
       base = r.params.seed if r.params.seed is not None else i
@@ -46,13 +50,13 @@ class JaxGenerator:
         seeds.append((base * 1_000_003 + j) % (1 << 32))
         owners.append((r, j))
     n = len(prompts)
-    b, p = bucket_size(n, 1), bucket_size(max(map(len, prompts)), 8)
+    b = bucket_size(n, 1)
+    p = prompt_length(self.config, max(map(len, prompts)), sp.max_new_tokens)
     tokens, mask = pad_prompts(prompts, b, p, self.pad_id)
     seeds_b = np.zeros((b,), np.uint32)
     seeds_b[:n] = seeds
-    stop = np.asarray(list(sp.stop_token_ids) or [-1], np.int32)
-    out = generate_arrays(self.params, tokens, mask, seeds_b, stop, config=self.config,
-                          max_new_tokens=sp.max_new_tokens,
+    out = generate_arrays(self.params, tokens, mask, seeds_b, stop_array(sp.stop_token_ids),
+                          config=self.config, max_new_tokens=sp.max_new_tokens,
                           sampling=EngineSampling(sp.temperature, sp.top_p, sp.top_k))
     toks, logps, lens, stopped = parallel.to_host(out)  # every process gets every row
     return [GenerationResult(

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from logra_jax import data, parallel
+from logra_jax.models import stops
 from logra_jax.models.presets import get_preset
 from logra_jax.models.sampler import bucket_size
 from logra_jax.models.transformer import Transformer
@@ -143,9 +144,19 @@ def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=()) -> Task:
   it = iter(data.prompt_dataset(train, cfg.data.prompts_per_step, seed=cfg.seed))
   is_char = isinstance(tokenizer, data.CharTokenizer)
   pad = tokenizer.pad_id if is_char else (tokenizer.pad_token_id or 0)
-  stops = (tokenizer.eos_id,) if is_char else tuple(stop_ids or [tokenizer.eos_token_id])
+  stop_set = tuple(stop_ids) or _stop_ids(cfg, tokenizer)
   longest = max(len(r['prompt_ids']) for r in train + held)
-  return Task(tokenizer, train, held, _JsonState(it), pad, stops, bucket_size(longest, 8))
+  return Task(tokenizer, train, held, _JsonState(it), pad, stop_set, bucket_size(longest, 8))
+
+
+def _stop_ids(cfg: TrainConfig, tokenizer) -> tuple:
+  """The model's full stop set: the tokenizer's EOS, the EOS ids of the checkpoint at
+  model.path (config.json / generation_config.json / GGUF) and the chat template's
+  end-of-turn token (e.g. `<|im_end|>` where eos is `<|endoftext|>`)."""
+  if isinstance(tokenizer, data.CharTokenizer):
+    return (tokenizer.eos_id,)
+  model_eos = _load(cfg).config.eos_token_ids if cfg.model.path else ()
+  return stops.stop_token_ids(tokenizer, model_eos)
 
 
 _LOADED = {}
