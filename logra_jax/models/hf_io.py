@@ -73,6 +73,18 @@ def weight_specs(config: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=16)
+def projection_name_fn(config: ModelConfig):
+  """(kernel path 'layers/attn/q_proj/kernel', layer) -> its HF tensor name, the name that
+  seeds the kernel's projection A so that a generator rebuilds A from HF names alone."""
+  table = {'/'.join(s.path): s.hf_name for s in weight_specs(config) if s.transpose}
+
+  def name_fn(name, layer):
+    if name not in table:
+      raise ValueError(f'no HF tensor for sketched kernel {name!r}')
+    return table[name].format(i=layer)
+  return name_fn
+
+
 def param_shapes(config: ModelConfig) -> dict:
   """{path tuple: shape} of every param of the model, from Flax's abstract init."""
   params = abstract_variables(config)['params']

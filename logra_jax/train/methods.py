@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from logra_jax import parallel, sketch
+from logra_jax.models import hf_io
 from logra_jax.rl import losses as rl_losses
 from logra_jax.train import optimizers, steps
 from logra_jax.train.config import TrainConfig
@@ -33,7 +34,8 @@ def loss_config(cfg: TrainConfig) -> rl_losses.LossConfig:
 def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
   o = cfg.optim
   return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, o.kl_control,
-                          o.kl_probe, o.alpha_max, o.sparse_mask)
+                          o.kl_probe, o.alpha_max, o.sparse_mask,
+                          return_update=cfg.rollout.engine == 'http')
 
 
 @dataclasses.dataclass
@@ -42,6 +44,9 @@ class Method:
   step: Callable
   policy_params: Callable[[dict], Any]
   placement: Optional['Placement'] = None
+  # The last step's low-rank update for the generators, (α·U tree, seed, step, projection
+  # kind), or None: send full weights (dense baselines, or an engine that needs none).
+  last_update: Callable[[], Any] = lambda: None
 
   def put_batch(self, batch):
     """A host batch placed data-parallel (every process passes the same values)."""
@@ -92,7 +97,8 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
   o = cfg.optim
   opt = optimizers.logra_optimizer(o, cfg.total_steps)
   pl = Placement(cfg, model, layout)
-  a0 = optimizers.projections_at(o, pl.abstract, cfg.seed, 0)
+  names = hf_io.projection_name_fn(model.config)  # generators rebuild A from HF names
+  a0 = optimizers.projections_at(o, pl.abstract, cfg.seed, 0, names)
   probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a0)
   probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
   opt_sh = pl.layout.state(jax.eval_shape(opt.init, probes), probe_logical)
@@ -107,15 +113,18 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
     return {'params': parallel.put(params, pl.params), 'opt_state': opt_init()}
 
   def step(state, batch, prompt_len, t, budget):
-    a = optimizers.projections_at(o, state['params'], cfg.seed, t)
+    a = optimizers.projections_at(o, state['params'], cfg.seed, t, names)
     a = parallel.put(a, jax.tree.map(lambda _: pl.layout.replicated, a))
     key = jax.random.fold_in(jax.random.key(cfg.seed), t)
-    params, opt_state, metrics = get(prompt_len)(state['params'], state['opt_state'],
-                                                 pl.put_batch(batch), a, np.float32(budget),
-                                                 key)
+    out = get(prompt_len)(state['params'], state['opt_state'], pl.put_batch(batch), a,
+                          np.float32(budget), key)
+    params, opt_state, metrics = out[:3]
+    if len(out) == 4:
+      last[0] = (out[3], cfg.seed, t if o.refresh else 0, o.projection)
     return {'params': params, 'opt_state': opt_state}, metrics
 
-  return Method(init, step, lambda s: s['params'], pl)
+  last = [None]
+  return Method(init, step, lambda s: s['params'], pl, last_update=lambda: last[0])
 
 
 def adam_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:

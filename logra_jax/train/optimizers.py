@@ -43,10 +43,13 @@ def rank_rules(o: OptimSection, step: int) -> sketch.RankRules:
   return rules.scaled(sketch.dynamic_rank(step, o.rank, o.rank_delta, o.rank_tau), o.rank)
 
 
-def projections_at(o: OptimSection, params, seed: int, step: int):
-  """A for every sketched kernel at ``step`` (step 0 always when projections are fixed)."""
+def projections_at(o: OptimSection, params, seed: int, step: int,
+                   name_fn=sketch.stacked_name):
+  """A for every sketched kernel at ``step`` (step 0 always when projections are fixed).
+
+  ``name_fn`` names the matrices in the derivation (the trainer: HF tensor names)."""
   return sketch.make_projections(params, seed, step if o.refresh else 0,
-                                 rank_rules(o, step), o.projection)
+                                 rank_rules(o, step), o.projection, name_fn=name_fn)
 
 
 def init_lora(params, rank: int, key):
