@@ -1,9 +1,11 @@
 """Every config in configs/ loads and validates; the paper configs carry the paper's numbers;
-the SmolLM2 config runs end to end on the packaged GGUF (slow)."""
+the SmolLM2 config runs end to end on the packaged GGUF (slow); a bad key or value is an
+error that names it."""
 import dataclasses
 import glob
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +14,8 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from configs import tiny
+from logra_jax.train import config as config_lib
 from logra_jax.train import tasks
 from logra_jax.train.config import from_config_dict
 
@@ -218,7 +222,76 @@ def test_smollm2_smoke_run_end_to_end(tmp_path):
   assert 'eval_accuracy' in rows[0] and 'eval_accuracy' in rows[2]
   for r in rows[1:]:
     for key in ('reward_mean', 'accuracy', 'step_time_s', 'alpha', 'loss'):
-      assert r[key] == r[key], (key, r)  # present and not NaN
+      # The metric writer stores a NaN or inf as null: None must fail too.
+      assert isinstance(r.get(key), float) and math.isfinite(r[key]), (key, r)
     assert r['response_length'] <= 8 and r['skipped'] == 0.0
     assert -0.01 <= r['reward_mean'] <= 1.0
   assert rows[-1]['weight_version'] == 2
+
+
+# ---------------------------------------------------------------------------- config errors
+
+def config_dict(**changes):
+  d = tiny.get_config().to_dict()
+  for key, value in changes.items():
+    section, leaf = key.split('__')
+    d[section][leaf] = value
+  return d
+
+
+def test_unknown_key_is_named_with_the_closest_valid_one():
+  with pytest.raises(ValueError, match=r"'optim\.rnak'.*did you mean 'optim\.rank'"):
+    config_lib.from_config_dict(config_dict(optim__rnak=3))
+  c = tiny.get_config()
+  with pytest.raises(AttributeError):  # the locked ConfigDict refuses a new key outright
+    c.optim.rnak = 3
+  with pytest.raises(ValueError, match="unknown config key 'log_every'"):  # removed: unread
+    config_lib.from_config_dict(dict(tiny.get_config().to_dict(), log_every=1))
+
+
+@pytest.mark.parametrize('key,value,pattern', [
+    ('optim__name', 'sgd', r'optim\.name'),
+    ('rl__advantage', 'ppo', r'rl\.advantage'),
+    ('optim__rank', 0, r'optim\.rank'),
+    ('optim__rank', 1.5, r"'optim\.rank' must be int"),
+    ('optim__rank', True, r"'optim\.rank' must be int"),
+    ('optim__refresh', 1, r"'optim\.refresh' must be bool"),
+    ('data__options', '{oops', r'data\.options'),
+    ('optim__micro_batches', 3, r'optim\.micro_batches'),
+    # Caught here, not later by the schedule / sampler / loss without the key's name.
+    ('optim__kl_budget_init', 0.0, r'optim\.kl_budget_init'),
+    ('optim__kl_budget_final', -1e-5, r'optim\.kl_budget_final'),
+    ('optim__kl_budget_steps', 0, r'optim\.kl_budget_steps'),
+    ('optim__rank_tau', 0.0, r'optim\.rank_tau'),
+    ('rollout__temperature', 0.0, r'rollout\.temperature'),
+    ('rollout__engine', 'jax', r"rollout\.engine='jax' must be one of \('embedded',\)"),
+])
+def test_bad_values_name_the_key(key, value, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    config_lib.from_config_dict(config_dict(**{key: value}))
+
+
+def test_wrong_type_is_refused_by_the_config_dict_too():
+  c = tiny.get_config()
+  with pytest.raises(TypeError):
+    c.optim.rank = 'sixteen'
+
+
+def test_int_is_accepted_for_a_float_key():
+  cfg = config_lib.from_config_dict(config_dict(optim__learning_rate=1))
+  assert cfg.optim.learning_rate == 1.0 and isinstance(cfg.optim.learning_rate, float)
+
+
+def test_momentum_needs_fixed_projections():
+  with pytest.raises(ValueError, match=r'optim\.momentum'):
+    config_lib.from_config_dict(config_dict(optim__momentum=0.9))
+  with pytest.raises(ValueError, match=r'optim\.momentum'):
+    config_lib.from_config_dict(config_dict(optim__momentum=0.9, optim__refresh=False,
+                                            optim__rank_delta=4))
+  cfg = config_lib.from_config_dict(config_dict(optim__momentum=0.9, optim__refresh=False))
+  assert cfg.optim.momentum == 0.9
+
+
+def test_tiny_config_validates():
+  cfg = config_lib.from_config_dict(tiny.get_config())
+  assert cfg.optim.name == 'logra' and cfg.model.preset == 'tiny'

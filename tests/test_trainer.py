@@ -1,11 +1,9 @@
-"""The RL loop end to end on the tiny task: exact resume, checkpoint crashes, the three methods,
-metrics, config errors.
+"""The RL loop end to end on the tiny task: exact resume (the RowAdam state too), checkpoint
+crashes, the three methods, metrics, the KL-to-reference penalty, the tiny job.
 
-Every run is tiny (4 prompts x 2 samples, 2-4 steps, no warm start). A random model answers
-nothing correctly, so every reward is equal and every advantage is 0; `rl.entropy_coef` > 0
-keeps the update non-zero, so that "params changed" and "resumed params are identical" mean
-something. The runs use the trainer's real dtypes (x64 off), whatever other test modules set,
-and share a persistent XLA cache (each Trainer re-jits the same programs).
+The runs (tests/trainer_runs.py) are rewarded for the answer's format, so their advantages
+are non-zero and the policy gradient moves the weights: "params changed" and "resumed params
+are identical" mean something.
 """
 import os
 import subprocess
@@ -15,83 +13,21 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from configs import tiny
+from logra_jax import sketch
 from logra_jax.train import config as config_lib
 from logra_jax.train import loop
 from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.metrics import read_metrics
+from trainer_runs import (assert_same_run, assert_trees_equal, format_reward, leaves,  # noqa: F401
+                          make_config, quiet, run_and_resume, train, trees_differ, xla_cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = ('step', 'reward_mean', 'accuracy', 'response_length', 'truncation_rate', 'loss',
-             'predicted_kl', 'realized_kl', 'alpha', 'kl_budget', 'mismatch', 'sketch_norm',
-             'step_time_s', 'tokens_per_s', 'skipped')
+             'loss/policy', 'predicted_kl', 'realized_kl', 'alpha', 'kl_budget', 'mismatch',
+             'sketch_norm', 'step_time_s', 'tokens_per_s', 'skipped')
 EVAL_KEYS = ('eval_accuracy', 'eval_pass_at_k')
-
-
-def make_config(**overrides) -> config_lib.TrainConfig:
-  """configs/tiny.py shrunk to seconds; ``overrides`` as section__key=value (optim__name=...)."""
-  c = tiny.get_config()
-  c.warm_start.steps = 0
-  c.data.prompts_per_step = 4
-  c.data.samples_per_prompt = 2
-  c.data.eval_size = 8
-  c.eval.k = 2
-  c.rl.entropy_coef = 0.01
-  c.optim.kl_sequences = 4
-  # The entropy-only gradient moves the policy little (q ~ 1e-6): a budget this small keeps
-  # α = sqrt(δ/q) below α_max, so the KL control is what sets the LoGRA step size.
-  c.optim.kl_budget_init = c.optim.kl_budget_final = 1e-6
-  c.total_steps = 4
-  c.eval_every = 2
-  c.checkpoint_every = 2
-  for key, value in overrides.items():
-    *parents, leaf = key.split('__')
-    node = c
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config_lib.from_config_dict(c)
-
-
-def quiet(*args, **kwargs):
-  del args, kwargs
-
-
-def train(cfg, workdir, log=quiet):
-  with jax.enable_x64(False):
-    return loop.train(cfg, str(workdir), progress=False, log=log)
-
-
-def leaves(tree):
-  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
-
-
-def assert_trees_equal(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(leaves(a), leaves(b)):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(x, y)
-
-
-def without_timing(row):
-  return {k: v for k, v in row.items() if k not in loop.TIMING_KEYS}
-
-
-@pytest.fixture(scope='module', autouse=True)
-def xla_cache(tmp_path_factory):
-  """Every run compiles the same few programs: a persistent cache compiles each once."""
-  old = (jax.config.jax_compilation_cache_dir,
-         jax.config.jax_persistent_cache_min_compile_time_secs)
-  compilation_cache.set_cache_dir(str(tmp_path_factory.mktemp('xla_cache')))
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update('jax_compilation_cache_dir', old[0])
-  jax.config.update('jax_persistent_cache_min_compile_time_secs', old[1])
-  compilation_cache.reset_cache()
-
 
 _RUNS = {}
 
@@ -119,15 +55,43 @@ def test_resume_repeats_an_uninterrupted_run_exactly(name, full_run, tmp_path):
   logs = []
   resumed = train(make_config(optim__name=name), tmp_path, log=logs.append)
   assert resumed.resumed and any('resumed from step 2' in line for line in logs)
-  rows = read_metrics(tmp_path)
-  assert [r['step'] for r in rows] == [0, 1, 2, 3, 4]
-  assert [without_timing(r) for r in rows] == [without_timing(r) for r in full_rows]
-  assert_trees_equal(resumed.state, full.state)
-  assert_trees_equal(resumed.adv_state, full.adv_state)
-  assert resumed.mismatch == full.mismatch
+  assert_same_run(full, full_rows, resumed, read_metrics(tmp_path))
   # The run did train: the final weights differ from the weights at step 2.
-  assert any(np.any(x != y) for x, y in zip(leaves(first.state['params']),
-                                            leaves(resumed.state['params'])))
+  assert trees_differ(first.state['params'], resumed.state['params'])
+
+
+def row_adam_states(state):
+  """The RowAdam states (count, per-output-unit second moments) inside a LoGRA opt_state."""
+  found = [x for x in jax.tree.leaves(state['opt_state'],
+                                      is_leaf=lambda x: isinstance(x, sketch.RowAdamState))
+           if isinstance(x, sketch.RowAdamState)]
+  assert len(found) == 1, state['opt_state']
+  return found[0]
+
+
+@pytest.mark.slow
+def test_resume_keeps_the_row_adam_state_values(full_run, tmp_path):
+  """The RowAdam moments restored from a checkpoint are the saved values, not a fresh state,
+  and the resumed run's moments equal the uninterrupted run's."""
+  full, _ = full_run('logra')
+  first = train(make_config(total_steps=2), tmp_path)
+  saved = row_adam_states(first.state)
+  assert int(saved.count) == 2
+  nu = leaves(saved.nu)
+  assert all(np.all(np.isfinite(v)) for v in nu) and all(np.any(v > 0) for v in nu)
+  with jax.enable_x64(False):
+    trainer = loop.Trainer(make_config(), str(tmp_path), log=quiet)
+  try:
+    assert trainer.resumed and trainer.step == 2
+    assert_trees_equal(row_adam_states(trainer.state), saved)
+    with jax.enable_x64(False):
+      trainer.run(progress=False)
+  finally:
+    trainer.close()
+  final = row_adam_states(trainer.state)
+  assert int(final.count) == 4
+  assert_trees_equal(final, row_adam_states(full.state))
+  assert trees_differ(final.nu, saved.nu)  # steps 3-4 updated the moments
 
 
 # ----------------------------------------------------------------------- checkpoint crash
@@ -230,6 +194,9 @@ def test_methods_write_every_metric(name, full_run):
     assert any(r['alpha'] < cfg.optim.alpha_max for r in rows[1:])
   assert all(r['skipped'] == 0.0 for r in rows[1:])
   assert all(r['loss'] is not None for r in rows[1:])
+  # The format reward varies: some steps have a policy-gradient loss (the only loss term).
+  assert any(r['loss/policy'] != 0.0 for r in rows[1:])
+  assert len({r['reward_mean'] for r in rows[1:]}) > 1
 
 
 @pytest.mark.slow
@@ -260,70 +227,7 @@ def test_lora_runs_through_the_loop_and_counts_a_skipped_step(tmp_path):
   assert_trees_equal(trainer.state['params'], base)  # LoRA never touches the base weights
 
 
-# ---------------------------------------------------------------------------- config errors
-
-def config_dict(**changes):
-  d = tiny.get_config().to_dict()
-  for key, value in changes.items():
-    section, leaf = key.split('__')
-    d[section][leaf] = value
-  return d
-
-
-def test_unknown_key_is_named_with_the_closest_valid_one():
-  with pytest.raises(ValueError, match=r"'optim\.rnak'.*did you mean 'optim\.rank'"):
-    config_lib.from_config_dict(config_dict(optim__rnak=3))
-  c = tiny.get_config()
-  with pytest.raises(AttributeError):  # the locked ConfigDict refuses a new key outright
-    c.optim.rnak = 3
-
-
-@pytest.mark.parametrize('key,value,pattern', [
-    ('optim__name', 'sgd', r'optim\.name'),
-    ('rl__advantage', 'ppo', r'rl\.advantage'),
-    ('optim__rank', 0, r'optim\.rank'),
-    ('optim__rank', 1.5, r"'optim\.rank' must be int"),
-    ('optim__rank', True, r"'optim\.rank' must be int"),
-    ('optim__refresh', 1, r"'optim\.refresh' must be bool"),
-    ('data__options', '{oops', r'data\.options'),
-    ('optim__micro_batches', 3, r'optim\.micro_batches'),
-    # Caught here, not later by the schedule / sampler / loss without the key's name.
-    ('optim__kl_budget_init', 0.0, r'optim\.kl_budget_init'),
-    ('optim__kl_budget_final', -1e-5, r'optim\.kl_budget_final'),
-    ('optim__kl_budget_steps', 0, r'optim\.kl_budget_steps'),
-    ('optim__rank_tau', 0.0, r'optim\.rank_tau'),
-    ('rollout__temperature', 0.0, r'rollout\.temperature'),
-])
-def test_bad_values_name_the_key(key, value, pattern):
-  with pytest.raises(ValueError, match=pattern):
-    config_lib.from_config_dict(config_dict(**{key: value}))
-
-
-def test_wrong_type_is_refused_by_the_config_dict_too():
-  c = tiny.get_config()
-  with pytest.raises(TypeError):
-    c.optim.rank = 'sixteen'
-
-
-def test_int_is_accepted_for_a_float_key():
-  cfg = config_lib.from_config_dict(config_dict(optim__learning_rate=1))
-  assert cfg.optim.learning_rate == 1.0 and isinstance(cfg.optim.learning_rate, float)
-
-
-def test_momentum_needs_fixed_projections():
-  with pytest.raises(ValueError, match=r'optim\.momentum'):
-    config_lib.from_config_dict(config_dict(optim__momentum=0.9))
-  with pytest.raises(ValueError, match=r'optim\.momentum'):
-    config_lib.from_config_dict(config_dict(optim__momentum=0.9, optim__refresh=False,
-                                            optim__rank_delta=4))
-  cfg = config_lib.from_config_dict(config_dict(optim__momentum=0.9, optim__refresh=False))
-  assert cfg.optim.momentum == 0.9
-
-
-def test_tiny_config_validates():
-  cfg = config_lib.from_config_dict(tiny.get_config())
-  assert cfg.optim.name == 'logra' and cfg.model.preset == 'tiny'
-
+# ------------------------------------------------------------------ the tiny job, the CLI
 
 @pytest.mark.slow
 def test_tiny_default_learns_in_its_first_rl_steps(tmp_path):
@@ -357,14 +261,30 @@ def test_command_line_typo_fails_naming_the_key(tmp_path):
   assert not os.path.exists(os.path.join(tmp_path, 'metrics.jsonl'))
 
 
+KL_COEF = 0.1
+
+
 @pytest.mark.slow
-def test_kl_to_reference_penalty_runs_and_resumes(tmp_path):
-  """rl.kl_coef > 0: the reference (the starting policy) feeds the loss, and is checkpointed."""
-  cfg = make_config(rl__kl_coef=0.1, total_steps=2, checkpoint_every=1)
-  trainer = train(cfg, tmp_path)
-  rows = read_metrics(tmp_path)
-  # Step 1 samples from the reference itself: the k3 estimate of KL(π‖π_ref) is exactly 0;
-  # after one update the policy has moved, so step 2's is positive.
-  assert rows[1]['kl_ref'] == 0.0 and rows[2]['kl_ref'] > 0.0
-  resumed = train(make_config(rl__kl_coef=0.1, total_steps=3, checkpoint_every=1), tmp_path)
-  assert_trees_equal(resumed.ref, trainer.ref)
+def test_kl_to_reference_penalty_runs_and_resumes(full_run, tmp_path):
+  """rl.kl_coef > 0: the reference (the starting policy) enters the loss and the update, and
+  a resumed run (reference restored from the checkpoint) repeats an uninterrupted one."""
+  make = lambda **kw: make_config(rl__kl_coef=KL_COEF, **kw)
+  full, full_rows, resumed, rows = run_and_resume(make, tmp_path, stop_at=2)
+  assert_same_run(full, full_rows, resumed, rows)
+  assert trees_differ(full.ref, full.state['params'])  # the reference stays where RL began
+  # Step 1 samples from the reference itself: the k3 estimate of KL(π‖π_ref) is 0; after one
+  # update the policy has moved, so the later steps' are positive.
+  assert rows[1]['kl_ref'] == 0.0 and all(r['kl_ref'] > 0.0 for r in rows[2:])
+  # With no entropy bonus, loss = policy loss + kl_coef·kl_ref (token means over the same
+  # 64 tokens). Two float32 reductions of ~64 terms of size <= ~0.1 differ by at most
+  # ~64·6e-8·0.1 = 4e-7 (1e-8 seen), hence atol 5e-7; the penalty term (~5e-6) is >= 10x that,
+  # so a loss without it fails.
+  for r in rows[2:]:
+    assert KL_COEF * r['kl_ref'] > 10 * 5e-7, r
+    np.testing.assert_allclose(r['loss'] - r['loss/policy'], KL_COEF * r['kl_ref'], rtol=0,
+                               atol=5e-7)
+  base, base_rows = full_run('logra')  # the same run with kl_coef = 0
+  assert all('kl_ref' not in r for r in base_rows)
+  assert all(r['loss'] == r['loss/policy'] for r in base_rows[1:])
+  # The penalty's gradient changed the updates: other weights than without it.
+  assert trees_differ(full.state['params'], base.state['params'])

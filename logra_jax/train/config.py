@@ -39,7 +39,7 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-  engine: str = 'jax'       # the embedded JAX sampler
+  engine: str = 'embedded'  # the in-process JAX sampler (the loop's GENERATORS)
   max_new_tokens: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
@@ -143,7 +143,6 @@ class TrainConfig:
   total_steps: int = 100
   eval_every: int = 20
   checkpoint_every: int = 50
-  log_every: int = 1
   seed: int = 0
 
   def __post_init__(self):
@@ -152,7 +151,7 @@ class TrainConfig:
 
 CHOICES = {
     'data.source': ('tiny', 'reasoning_gym', 'file'),
-    'rollout.engine': ('jax',),
+    'rollout.engine': ('embedded',),  # = logra_jax.train.loop.GENERATORS
     'rl.advantage': ('running_baseline', 'grpo', 'rloo', 'reinforce_pp'),
     'rl.loss': ('reinforce_tis', 'ppo_clip'),
     'rl.aggregation': ('token', 'sequence'),
@@ -165,9 +164,10 @@ CHOICES = {
 }
 POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',
             'optim.micro_batches', 'optim.rank', 'optim.kl_sequences', 'optim.lora_rank',
-            'eval.k', 'total_steps', 'eval_every', 'checkpoint_every', 'log_every',
-            'optim.learning_rate', 'optim.adam_learning_rate', 'optim.alpha_max', 'optim.kl_budget_init',
-            'optim.kl_budget_steps', 'optim.rank_tau', 'rollout.temperature')
+            'eval.k', 'total_steps', 'eval_every', 'checkpoint_every',
+            'optim.learning_rate', 'optim.adam_learning_rate', 'optim.alpha_max',
+            'optim.kl_budget_init', 'optim.kl_budget_steps', 'optim.rank_tau',
+            'rollout.temperature')
 
 
 def _get(cfg, key):

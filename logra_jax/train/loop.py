@@ -25,6 +25,18 @@ from logra_jax.train.rollout import JaxGenerator, assemble_batch
 
 TIMING_KEYS = ('step_time_s', 'tokens_per_s', 'generate_s', 'update_s')
 
+# rollout.engine -> the `logra_jax.rl.Generator` class: cls(model_config, params, version=,
+# pad_id=). The config's CHOICES['rollout.engine'] lists the same names.
+GENERATORS = {'embedded': JaxGenerator}
+
+
+def generator_class(engine: str):
+  """The rollout generator named by config key rollout.engine."""
+  if engine not in GENERATORS:
+    raise ValueError(f'config key rollout.engine={engine!r}: no such rollout engine in the '
+                     f'loop; known: {sorted(GENERATORS)}')
+  return GENERATORS[engine]
+
 
 def _seed(cfg, t, salt):
   return int(np.random.SeedSequence([cfg.seed, t, salt]).generate_state(1)[0])
@@ -73,6 +85,7 @@ class Trainer:
     self.method = get_method(cfg, self.model, self.layout)
     self.estimator = get_advantage_fn(cfg.rl.advantage, **(
         {'ema': cfg.rl.baseline_ema} if cfg.rl.advantage == 'running_baseline' else {}))
+    generator = generator_class(cfg.rollout.engine)  # before a checkpoint or file is opened
     self.budget = sketch.kl_budget_schedule(cfg.optim.kl_budget_init, cfg.optim.kl_budget_final,
                                             cfg.optim.kl_budget_steps)
     self.ckpt = Checkpointer(workdir)
@@ -82,8 +95,8 @@ class Trainer:
     self._ref_fns = {}
     self.step, resumed = self._restore_or_init(params)
     self.writer = MetricWriter(workdir, resume_step=self.step if resumed else -1)
-    self.generator = JaxGenerator(self.model_config, self.method.policy_params(self.state),
-                                  version=self.step, pad_id=self.task.pad_id)
+    self.generator = generator(self.model_config, self.method.policy_params(self.state),
+                               version=self.step, pad_id=self.task.pad_id)
     self.resumed = resumed
 
   def _restore_or_init(self, params):

@@ -114,7 +114,16 @@ def _all_finite(tree):
 
 
 def _kl_subset(batch, n):
-  return jax.tree.map(lambda x: x[:n], batch)
+  """n of the N rows for the KL probe, spread over the batch: rows i·N//n (all if n >= N).
+
+  A prompt's G completions are contiguous, so the first n rows would be one or two prompts'
+  groups; strided rows reach min(n, N/G) prompts.
+  """
+  total = jax.tree.leaves(batch)[0].shape[0]
+  if n >= total:
+    return batch
+  rows = jnp.asarray([i * total // n for i in range(n)])
+  return jax.tree.map(lambda x: x[rows], batch)
 
 
 class StepConfig(NamedTuple):
