@@ -168,13 +168,15 @@ def _load(cfg: TrainConfig):
 def build_model(cfg: TrainConfig, task: Task):
   """(Transformer, ModelConfig, params): a checkpoint at model.path or a fresh preset."""
   m = cfg.model
+  memory = dict(remat_policy=m.remat_policy, attention=m.attention,
+                attention_block=m.attention_block, vocab_chunk=m.vocab_chunk)
   if m.path:
     loaded = _load(cfg)
-    mc = loaded.config.replace(dtype=m.dtype, remat_policy=m.remat_policy)
+    mc = loaded.config.replace(dtype=m.dtype, **memory)
     params = loaded.params
   else:
-    mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype,
-                    remat_policy=m.remat_policy, pad_token_id=task.pad_id,
+    mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype, **memory,
+                    pad_token_id=task.pad_id,
                     eos_token_ids=task.stop_ids)
     params = init_params(mc, jax.random.key(cfg.seed))
   return Transformer(mc), mc, params
