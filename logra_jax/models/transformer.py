@@ -11,7 +11,8 @@ an explicit pytree (`init_cache`) scanned as xs/ys, so the module stays purely f
 
 Masks: keys that are padding (`attn_mask_BxL` False), in the future, or in another segment
 (`segment_ids_BxL`) are never attended. Positions default to the count of real tokens before
-each token, so left padding gives the same logits as no padding.
+each token, so left padding gives the same logits as no padding. `ModelConfig.attention`
+'blockwise' never forms the L×L scores; `return_hidden=True` skips the vocabulary head.
 """
 import functools
 from typing import Any, Optional
@@ -77,12 +78,8 @@ def apply_rope(x_BxLxHxE, sin_BxLxE, cos_BxLxE):
 
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached=None, config=None):
-  """Grouped-query softmax attention over the new keys and, if given, cached ones.
-
-  `masks` is the (B, L, L) bool mask for 'dense' attention, or {'attn': (B, L) bool[,
-  'segments': (B, L)]} for 'blockwise' (`config.attention`; see models/attention.py).
-  `cached` = (k_BxSxKxE, v_BxSxKxE, key_mask_BxS), read in place.
-  """
+  """`config.attention` (models/attention.py): 'dense' with the (B, L, L) bool mask, or
+  'blockwise' with {'attn': (B, L) bool[, 'segments': (B, L)]}; cached = (k, v, key_mask)."""
   if config is None or config.attention == 'dense':
     return attn_lib.dense_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached)
   return attn_lib.blockwise_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks['attn'],
