@@ -15,6 +15,7 @@ REMAT_POLICIES = ('none', 'full', 'dots_saveable', 'nothing_saveable', 'everythi
                   'dots_with_no_batch_dims_saveable', 'checkpoint_dots',
                   'checkpoint_dots_with_no_batch_dims')
 ROPE_TYPES = ('default', 'linear', 'llama3')
+ATTENTION_KINDS = ('dense', 'blockwise')
 _REQUIRED_HF = ('vocab_size', 'hidden_size', 'num_hidden_layers', 'num_attention_heads',
                 'intermediate_size')
 
@@ -35,6 +36,10 @@ class ModelConfig:
   `rope_scaling` is the HF rope-scaling dict frozen to a tuple of sorted (key, value) items
   (see `rope_scaling_dict`), or None. `head_dim` defaults to hidden_size // num_heads.
   `remat_policy` names a `jax.checkpoint_policies` entry, or 'none' / 'full'.
+  `attention` is 'dense' (all L×L scores at once) or 'blockwise' (online softmax over blocks
+  of `attention_block` queries and keys); `vocab_chunk` > 0 computes the training losses and
+  KL probes over vocabulary chunks of that size from the final hidden states (0: full logits).
+  These three change memory, not the model (they are not part of an HF config).
   """
   vocab_size: int
   hidden_size: int
@@ -56,6 +61,9 @@ class ModelConfig:
   dtype: str = 'float32'
   param_dtype: str = 'float32'
   remat_policy: str = 'none'
+  attention: str = 'dense'
+  attention_block: int = 512
+  vocab_chunk: int = 0
 
   def __post_init__(self):
     if self.head_dim is None:
@@ -86,6 +94,15 @@ class ModelConfig:
         jnp.dtype(getattr(self, name))
       except TypeError as e:
         raise ValueError(f'ModelConfig.{name}: unknown dtype {getattr(self, name)!r}') from e
+    if self.attention not in ATTENTION_KINDS:
+      raise ValueError(f'ModelConfig.attention must be one of {ATTENTION_KINDS}, '
+                       f'got {self.attention!r}')
+    if not isinstance(self.attention_block, int) or self.attention_block <= 0:
+      raise ValueError(f'ModelConfig.attention_block must be a positive int, '
+                       f'got {self.attention_block!r}')
+    if not isinstance(self.vocab_chunk, int) or self.vocab_chunk < 0:
+      raise ValueError(f'ModelConfig.vocab_chunk must be an int >= 0 (0: off), '
+                       f'got {self.vocab_chunk!r}')
     rope_type = self.rope_scaling_dict.get('rope_type', 'default')
     if rope_type not in ROPE_TYPES:
       raise ValueError(f'ModelConfig.rope_scaling: rope_type {rope_type!r} is not supported '

@@ -11,7 +11,8 @@ an explicit pytree (`init_cache`) scanned as xs/ys, so the module stays purely f
 
 Masks: keys that are padding (`attn_mask_BxL` False), in the future, or in another segment
 (`segment_ids_BxL`) are never attended. Positions default to the count of real tokens before
-each token, so left padding gives the same logits as no padding.
+each token, so left padding gives the same logits as no padding. `ModelConfig.attention`
+'blockwise' never forms the L×L scores; `return_hidden=True` skips the vocabulary head.
 """
 import functools
 from typing import Any, Optional
@@ -21,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from logra_jax.models import attention as attn_lib
 from logra_jax.models.config import ModelConfig
 from logra_jax.sketch.dense import PROBE, PROJECTION, SketchDense
 
 Cache = dict  # {'k', 'v': (N, B, S, K, E); 'mask': (B, S) bool; 'index': () int32 next slot}
-_NEG = -1e30
 
 
 def _acc(dtype):
@@ -76,31 +77,13 @@ def apply_rope(x_BxLxHxE, sin_BxLxE, cos_BxLxE):
   return (x_BxLxHxE * cos + rotated * sin).astype(x_BxLxHxE.dtype)
 
 
-def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_BxLxL, cached=None):
-  """Grouped-query softmax attention over the new keys and, if given, cached ones.
-
-  `cached` = (k_BxSxKxE, v_BxSxKxE, key_mask_BxS): keys written earlier, all in the past of
-  every new query, read in place (the cache is not copied). Fully masked rows give finite,
-  unused outputs.
-  """
-  b, l, h, e = q_BxLxHxE.shape
-  kv = k_BxLxKxE.shape[2]
-  q_BxLxKxGxE = q_BxLxHxE.reshape(b, l, kv, h // kv, e) * jnp.asarray(e ** -0.5,
-                                                                      q_BxLxHxE.dtype)
-  scores = functools.partial(jnp.einsum, 'blkge,bske->bkgls', q_BxLxKxGxE,
-                             preferred_element_type=_acc(q_BxLxHxE.dtype))
-  s_BxKxGxLxL = jnp.where(mask_BxLxL[:, None, None], scores(k_BxLxKxE), _NEG)
-  if cached is None:
-    p_BxKxGxLxL = jax.nn.softmax(s_BxKxGxLxL, axis=-1).astype(v_BxLxKxE.dtype)
-    o_BxLxKxGxE = jnp.einsum('bkgls,bske->blkge', p_BxKxGxLxL, v_BxLxKxE)
-    return o_BxLxKxGxE.reshape(b, l, h * e)
-  k_BxSxKxE, v_BxSxKxE, key_mask_BxS = cached
-  s_BxKxGxLxS = jnp.where(key_mask_BxS[:, None, None, None], scores(k_BxSxKxE), _NEG)
-  p = jax.nn.softmax(jnp.concatenate([s_BxKxGxLxS, s_BxKxGxLxL], axis=-1), axis=-1)
-  p_BxKxGxLxS, p_BxKxGxLxL = jnp.split(p.astype(v_BxLxKxE.dtype), [k_BxSxKxE.shape[1]], -1)
-  o_BxLxKxGxE = (jnp.einsum('bkgls,bske->blkge', p_BxKxGxLxS, v_BxSxKxE.astype(v_BxLxKxE.dtype))
-                 + jnp.einsum('bkgls,bske->blkge', p_BxKxGxLxL, v_BxLxKxE))
-  return o_BxLxKxGxE.reshape(b, l, h * e)
+def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached=None, config=None):
+  """`config.attention` (models/attention.py): 'dense' with the (B, L, L) bool mask, or
+  'blockwise' with {'attn': (B, L) bool[, 'segments': (B, L)]}; cached = (k, v, key_mask)."""
+  if config is None or config.attention == 'dense':
+    return attn_lib.dense_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached)
+  return attn_lib.blockwise_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks['attn'],
+                                      masks.get('segments'), cached, config.attention_block)
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +111,7 @@ class Attention(nn.Module):
   sketch_mode: str = 'vjp'
 
   @nn.compact
-  def __call__(self, x_BxLxD, sin, cos, mask_BxLxL, layer_cache, cache_mask_BxS):
+  def __call__(self, x_BxLxD, sin, cos, masks, layer_cache, cache_mask_BxS):
     c = self.config
     b, l, _ = x_BxLxD.shape
     dense = functools.partial(_dense, c, self.sketch_mode, use_bias=c.qkv_bias)
@@ -142,7 +125,7 @@ class Attention(nn.Module):
     if layer_cache is not None:  # return only the new k/v; the caller writes them
       new_kv = {'k': k_BxLxKxE, 'v': v_BxLxKxE}
       cached = (layer_cache['k'], layer_cache['v'], cache_mask_BxS)
-    o_BxLxHE = attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, mask_BxLxL, cached)
+    o_BxLxHE = attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached, c)
     out = _dense(c, self.sketch_mode, c.hidden_size, ('q_heads', 'embed'), 'o_proj')(o_BxLxHE)
     return out, new_kv
 
@@ -166,12 +149,12 @@ class Block(nn.Module):
   sketch_mode: str = 'vjp'
 
   @nn.compact
-  def __call__(self, x_BxLxD, layer_cache, sin, cos, mask_BxLxL, cache_mask_BxS):
+  def __call__(self, x_BxLxD, layer_cache, sin, cos, masks, cache_mask_BxS):
     c = self.config
     norm = functools.partial(RMSNorm, c.rms_norm_eps, c.jnp_dtype, c.jnp_param_dtype)
     h = norm(name='attn_norm')(x_BxLxD)
     a, new_cache = Attention(c, self.sketch_mode, name='attn')(
-        h, sin, cos, mask_BxLxL, layer_cache, cache_mask_BxS)
+        h, sin, cos, masks, layer_cache, cache_mask_BxS)
     x_BxLxD = x_BxLxD + a
     x_BxLxD = x_BxLxD + Mlp(c, self.sketch_mode, name='mlp')(norm(name='mlp_norm')(x_BxLxD))
     return x_BxLxD, new_cache
@@ -230,17 +213,41 @@ def _write_cache(cache: Cache, new_kv, attn_mask_BxL) -> Cache:
           'index': index + attn_mask_BxL.shape[1]}
 
 
+def _masks(config: ModelConfig, attn_mask_BxL, segment_ids_BxL):
+  """What `attention` needs: the (B, L, L) mask (dense) or the per-token masks (blockwise)."""
+  if config.attention == 'dense':
+    return _causal_mask(attn_mask_BxL, segment_ids_BxL)
+  masks = {'attn': attn_mask_BxL}
+  if segment_ids_BxL is not None:
+    masks['segments'] = segment_ids_BxL
+  return masks
+
+
+def head_weights(config: ModelConfig, params):
+  """(w, vocab_axis): the output head in the compute dtype, logits = x·w over axis D.
+
+  The tied embedding (V, D), vocab_axis 0, or the LM-head kernel (D, V), vocab_axis 1; for
+  callers that project chosen positions themselves (`Transformer(return_hidden=True)`).
+  """
+  if config.tie_embeddings:
+    return params['embed']['embedding'].astype(config.jnp_dtype), 0
+  return params['lm_head']['kernel'].astype(config.jnp_dtype), 1
+
+
 class Transformer(nn.Module):
   """Decoder-only LM. Returns (float32 logits (B, L, V), new cache or None).
 
   `last_only=True` computes the logits of the last position only (B, 1, V) (prefill).
+  `return_hidden=True` returns the final (normed) hidden states (B, L, D) in the compute
+  dtype instead of logits: project the positions you need with `head_weights`.
   """
   config: ModelConfig
   sketch_mode: str = 'vjp'
 
   @nn.compact
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
-               attn_mask_BxL=None, cache: Optional[Cache] = None, last_only: bool = False):
+               attn_mask_BxL=None, cache: Optional[Cache] = None, last_only: bool = False,
+               return_hidden: bool = False):
     c = self.config
     attn_mask_BxL = (jnp.ones(tokens_BxL.shape, bool) if attn_mask_BxL is None
                      else attn_mask_BxL.astype(bool))
@@ -250,7 +257,7 @@ class Transformer(nn.Module):
       positions_BxL = default_positions(attn_mask_BxL, segment_ids_BxL)
       if cache is not None:  # continue after the real tokens already in the cache
         positions_BxL += cache['mask'].sum(axis=1, dtype=positions_BxL.dtype)[:, None]
-    mask_BxLxL = _causal_mask(attn_mask_BxL, segment_ids_BxL)
+    masks = _masks(c, attn_mask_BxL, segment_ids_BxL)
     layer_caches = None if cache is None else {'k': cache['k'], 'v': cache['v']}
     cache_mask_BxS = None if cache is None else cache['mask']
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype,
@@ -260,16 +267,18 @@ class Transformer(nn.Module):
     x_BxLxD = embed(tokens_BxL)
     sin, cos = rope_sin_cos(c, positions_BxL)
     x_BxLxD, new_kv = _scanned_block(c)(c, self.sketch_mode, name='layers')(
-        x_BxLxD, layer_caches, sin, cos, mask_BxLxL, cache_mask_BxS)
+        x_BxLxD, layer_caches, sin, cos, masks, cache_mask_BxS)
     x_BxLxD = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.jnp_param_dtype, name='final_norm')(x_BxLxD)
     if last_only:
       x_BxLxD = x_BxLxD[:, -1:]
+    new_cache = None if cache is None else _write_cache(cache, new_kv, attn_mask_BxL)
+    if return_hidden:
+      return x_BxLxD, new_cache
     if c.tie_embeddings:
       logits = jnp.einsum('bld,vd->blv', x_BxLxD, embed.embedding.astype(c.jnp_dtype),
                           preferred_element_type=_acc(c.jnp_dtype))
     else:
       logits = LMHead(c.vocab_size, c.jnp_dtype, c.jnp_param_dtype, name='lm_head')(x_BxLxD)
-    new_cache = None if cache is None else _write_cache(cache, new_kv, attn_mask_BxL)
     return logits.astype(_acc(c.jnp_dtype)), new_cache
 
 

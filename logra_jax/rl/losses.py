@@ -153,6 +153,17 @@ def rl_loss(config: LossConfig, logits_BxTxV, targets_BxT, behaviour_logp_BxT, a
     (loss, metrics): a scalar and a dict of scalars (masked token means).
   """
   logp = token_logprobs(logits_BxTxV, targets_BxT, config.temperature)
+  entropy = (token_entropy(logits_BxTxV, config.temperature) if config.entropy_coef
+             else None)
+  return rl_loss_from_logprobs(config, logp, behaviour_logp_BxT, advantages_B, mask_BxT,
+                               ref_logp_BxT, entropy)
+
+
+def rl_loss_from_logprobs(config: LossConfig, logp_BxT, behaviour_logp_BxT, advantages_B,
+                          mask_BxT, ref_logp_BxT=None, entropy_BxT=None):
+  """`rl_loss` from the targets' log-probs (and entropies, needed when entropy_coef > 0),
+  however they were computed (full logits, or `blockwise` over vocabulary chunks)."""
+  logp = logp_BxT
   per_token, token_metrics = get_policy_loss(config.policy)(
       logp, behaviour_logp_BxT, advantages_B, **dict(config.hparams))
   metrics = {'loss/policy': aggregate(per_token, mask_BxT, config.aggregation)}
@@ -163,9 +174,10 @@ def rl_loss(config: LossConfig, logits_BxTxV, targets_BxT, behaviour_logp_BxT, a
     per_token = per_token + config.kl_coef * kl
     metrics['kl_ref'] = aggregate(jax.lax.stop_gradient(kl), mask_BxT)
   if config.entropy_coef:
-    entropy = token_entropy(logits_BxTxV, config.temperature)
-    per_token = per_token - config.entropy_coef * entropy
-    metrics['entropy'] = aggregate(jax.lax.stop_gradient(entropy), mask_BxT)
+    if entropy_BxT is None:
+      raise ValueError('entropy_coef > 0 needs entropy_BxT.')
+    per_token = per_token - config.entropy_coef * entropy_BxT
+    metrics['entropy'] = aggregate(jax.lax.stop_gradient(entropy_BxT), mask_BxT)
   loss = aggregate(per_token, mask_BxT, config.aggregation)
   metrics['loss'] = loss
   metrics['logp_mismatch'] = aggregate(

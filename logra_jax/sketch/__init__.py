@@ -3,9 +3,11 @@ from logra_jax.sketch.compress import (low_rank_reconstruct, randomized_svd_comp
                                        sparse_mask_sketch, sparse_mask_tree)
 from logra_jax.sketch.dense import (PROBE, PROJECTION, SketchDense, sketch_matmul,
                                     sketch_matmul_linear)
-from logra_jax.sketch.kl import (effective_budget, finite_difference_kl_at_budget,
-                                 finite_difference_kl_coefficient, kl_budget_schedule, kl_coefficient, logits_and_tangents,
-                                 mean_kl, predicted_kl_coefficient, step_scale)
+from logra_jax.sketch.kl import (chunked_kl_coefficient, chunked_mean_kl, effective_budget,
+                                 finite_difference_kl_at_budget,
+                                 finite_difference_kl_coefficient, kl_budget_schedule,
+                                 kl_coefficient, logits_and_tangents, mean_kl,
+                                 predicted_kl_coefficient, step_scale)
 from logra_jax.sketch.projection import (name_hash, projection_checksum, projection_key,
                                          sample_projection)
 from logra_jax.sketch.rank import RankRules, dynamic_rank, heuristic_rank

@@ -20,6 +20,9 @@ class ModelSection:
   path: str = ''            # an HF checkpoint directory or a .gguf file
   dtype: str = 'float32'    # compute dtype
   remat_policy: str = 'none'
+  attention: str = 'dense'  # | 'blockwise' (online softmax, no L×L scores)
+  attention_block: int = 512  # query/key block of blockwise attention
+  vocab_chunk: int = 0      # > 0: losses and KL probes over vocab chunks of this size (0: off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +164,14 @@ CHOICES = {
     'optim.projection': ('rademacher', 'gaussian', 'orthogonal'),
     'optim.kl_probe': ('jvp', 'fd'),
     'model.dtype': ('float32', 'bfloat16', 'float64'),
+    'model.attention': ('dense', 'blockwise'),
 }
 POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',
             'optim.micro_batches', 'optim.rank', 'optim.kl_sequences', 'optim.lora_rank',
             'eval.k', 'total_steps', 'eval_every', 'checkpoint_every',
             'optim.learning_rate', 'optim.adam_learning_rate', 'optim.alpha_max',
             'optim.kl_budget_init', 'optim.kl_budget_steps', 'optim.rank_tau',
-            'rollout.temperature')
+            'rollout.temperature', 'model.attention_block')
 
 
 def _get(cfg, key):
@@ -189,6 +193,9 @@ def _check(cfg: TrainConfig):
   if cfg.optim.kl_budget_final < 0:
     raise ValueError(f'config key optim.kl_budget_final must be >= 0, '
                      f'got {cfg.optim.kl_budget_final}')
+  if cfg.model.vocab_chunk < 0:
+    raise ValueError(f'config key model.vocab_chunk must be >= 0 (0: off), '
+                     f'got {cfg.model.vocab_chunk}')
   if cfg.reward.workers < 0:
     raise ValueError(f'config key reward.workers must be >= 0 (0: score in-process), '
                      f'got {cfg.reward.workers}')

@@ -8,6 +8,7 @@ completion), target_mask_NxT, behaviour_logp_NxT, advantages_N. Micro-batch loss
 weighted so that their sum equals the loss of the whole batch; the sketches (or gradients)
 are summed over micro-batches in a `lax.scan`, in fp32.
 """
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -16,6 +17,7 @@ import optax
 
 from logra_jax import sketch
 from logra_jax.rl import losses as rl_losses
+from logra_jax.train import completion
 
 
 def completion_logits(model, variables, batch, prompt_len):
@@ -25,14 +27,35 @@ def completion_logits(model, variables, batch, prompt_len):
   return logits[:, prompt_len - 1:prompt_len - 1 + t]
 
 
-def _mismatch(logits, batch, temperature):
+def _mismatch_of_logp(logp, batch):
   """k3 estimate of KL(behaviour ‖ trainer) per token: the generator/trainer mismatch."""
-  logp = rl_losses.token_logprobs(logits, batch['targets'], temperature)
   r = jax.lax.stop_gradient(logp) - batch['behaviour_logp']
   return rl_losses.aggregate(jnp.exp(r) - 1.0 - r, batch['target_mask'])
 
 
+def _mismatch(logits, batch, temperature):
+  return _mismatch_of_logp(rl_losses.token_logprobs(logits, batch['targets'], temperature), batch)
+
+
+def _chunked_loss_fn(model, loss_cfg, prompt_len):
+  """`_loss_fn` over vocabulary chunks (`ModelConfig.vocab_chunk` > 0): no (N, T, V) logits."""
+  def loss(variables, mb, weight):
+    out = completion.forward(model, variables, mb, prompt_len)
+    logp, entropy = completion.logprobs_and_entropy(model, out, mb['targets'],
+                                                    loss_cfg.temperature)
+    value, metrics = rl_losses.rl_loss_from_logprobs(
+        loss_cfg, logp, mb['behaviour_logp'], mb['advantages'], mb['target_mask'],
+        mb.get('ref_logp'), entropy)
+    metrics = dict(metrics, mismatch=_mismatch_of_logp(logp, mb))
+    metrics['entropy'] = rl_losses.aggregate(jax.lax.stop_gradient(entropy), mb['target_mask'])
+    return value * weight, metrics
+  return loss
+
+
 def _loss_fn(model, loss_cfg, prompt_len):
+  if model.config.vocab_chunk:
+    return _chunked_loss_fn(model, loss_cfg, prompt_len)
+
   def loss(variables, mb, weight):
     logits = completion_logits(model, variables, mb, prompt_len)
     value, metrics = rl_losses.rl_loss(loss_cfg, logits, mb['targets'], mb['behaviour_logp'],
@@ -102,8 +125,8 @@ def make_ref_logp(model, prompt_len: int, temperature: float,
                   sh: Optional[StepShardings] = None):
   """Jitted log-probs of the completion tokens under reference params (the KL penalty)."""
   def ref_logp(ref_params, batch):
-    logits = completion_logits(model, {'params': ref_params}, batch, prompt_len)
-    return rl_losses.token_logprobs(logits, batch['targets'], temperature)
+    out = completion.forward(model, {'params': ref_params}, batch, prompt_len)
+    return completion.logprobs(model, out, batch['targets'], temperature)
   if sh is None:
     return jax.jit(ref_logp)
   return jax.jit(ref_logp, in_shardings=(sh.params, sh.batch), out_shardings=sh.replicated)
@@ -124,6 +147,18 @@ def _kl_subset(batch, n):
     return batch
   rows = jnp.asarray([i * total // n for i in range(n)])
   return jax.tree.map(lambda x: x[rows], batch)
+
+
+def _kl_probe(model, out_fn, fd_model, probes, u, kind, budget, temperature, mask):
+  """(the forward at the probes, q along U) by a JVP ('jvp') or a finite difference ('fd',
+  at the step the budget allows, on ``fd_model``: the forward in at least fp32)."""
+  if kind == 'jvp':
+    base, tangent = sketch.logits_and_tangents(out_fn, probes, u)
+    return base, completion.kl_coefficient(model, base, tangent, temperature, mask)
+  kl = functools.partial(completion.mean_kl, model)
+  q = sketch.finite_difference_kl_at_budget(lambda p: out_fn(p, fd_model), probes, u, budget,
+                                            temperature, mask, kl=kl)
+  return out_fn(probes), q
 
 
 class StepConfig(NamedTuple):
@@ -170,24 +205,19 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     u, new_opt_state = opt.update(s, opt_state, kernels, projections=projections)
     kl_batch = _kl_subset(batch, sc.kl_sequences)
     kl_mask = kl_batch['target_mask']
-    logits_fn = lambda p, m=linear: completion_logits(
+    out_fn = lambda p, m=linear: completion.forward(
         m, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len)
-    if sc.kl_probe == 'jvp':
-      base_logits, tangents = sketch.logits_and_tangents(logits_fn, probes, u)
-      q = sketch.kl_coefficient(base_logits, tangents, temp, kl_mask)
-    else:
-      base_logits = logits_fn(probes)
-      q = sketch.finite_difference_kl_at_budget(lambda p: logits_fn(p, fd_linear), probes, u,
-                                                budget, temp, kl_mask)
+    base, q = _kl_probe(model, out_fn, fd_linear, probes, u, sc.kl_probe, budget, temp,
+                        kl_mask)
     alpha = sketch.step_scale(q, budget, sc.alpha_max) if sc.kl_control else jnp.ones_like(q)
     ok = _all_finite(s) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
     new_params = jax.lax.cond(
         ok, lambda: sketch.apply_sketch_updates(params, u, projections, alpha), lambda: params)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
-    new_logits = completion_logits(model, {'params': new_params}, kl_batch, sc.prompt_len)
+    new = completion.forward(model, {'params': new_params}, kl_batch, sc.prompt_len)
     metrics.update(
         predicted_kl=alpha**2 * q, kl_coefficient=q, alpha=alpha, kl_budget=budget,
-        realized_kl=sketch.mean_kl(base_logits, new_logits, temp, kl_mask),
+        realized_kl=completion.mean_kl(model, base, new, temp, kl_mask),
         sketch_norm=optax.global_norm(s), skipped=1.0 - ok.astype(jnp.float32))
     if not sc.return_update:
       return new_params, new_opt_state, metrics
@@ -227,9 +257,10 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
     new_train = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), train, updates)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
     kl_batch = _kl_subset(batch, sc.kl_sequences)
-    old = completion_logits(model, {'params': merge(params, train)}, kl_batch, sc.prompt_len)
-    new = completion_logits(model, {'params': merge(params, new_train)}, kl_batch, sc.prompt_len)
-    metrics.update(realized_kl=sketch.mean_kl(old, new, temp, kl_batch['target_mask']),
+    forward = lambda t: completion.forward(model, {'params': merge(params, t)}, kl_batch,
+                                           sc.prompt_len)
+    metrics.update(realized_kl=completion.mean_kl(model, forward(train), forward(new_train), temp,
+                                                  kl_batch['target_mask']),
                    sketch_norm=optax.global_norm(g), skipped=1.0 - ok.astype(jnp.float32))
     return new_train, new_opt_state, metrics
 

@@ -184,13 +184,15 @@ def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None):
   """
   m = cfg.model
   layout = layout or parallel.layout_from_config(cfg.mesh)
+  memory = dict(remat_policy=m.remat_policy, attention=m.attention,
+                attention_block=m.attention_block, vocab_chunk=m.vocab_chunk)
   if m.path:
     loaded = _load(cfg)
-    mc = loaded.config.replace(dtype=m.dtype, remat_policy=m.remat_policy)
+    mc = loaded.config.replace(dtype=m.dtype, **memory)
     params = parallel.put(loaded.params, parallel.param_shardings(layout, mc))
   else:
-    mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype,
-                    remat_policy=m.remat_policy, pad_token_id=task.pad_id,
+    mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype, **memory,
+                    pad_token_id=task.pad_id,
                     eos_token_ids=task.stop_ids)
     params = parallel.init_params(mc, jax.random.key(cfg.seed),
                                   parallel.param_shardings(layout, mc))
