@@ -54,7 +54,9 @@ def gguf_path() -> str:
 
 
 def get_config(arg=None):
-  """`arg`: None (the run) or 'smoke' (a 2-step end-to-end check with a tiny batch)."""
+  """`arg`: None (the run), 'smoke' (a 2-step end-to-end check with a tiny batch) or 'vllm'
+  (generation on a vLLM server at 127.0.0.1:8100 started with
+  `LOGRA_BRIDGE_TOKEN=... third_party/vllm/serve --model=<the GGUF> --port=8100`)."""
   cfg = default_config()
   cfg.model.path = gguf_path()
   cfg.model.dtype = 'float32'
@@ -104,6 +106,10 @@ def get_config(arg=None):
     cfg.total_steps = 2
     cfg.eval_every = 2
     cfg.checkpoint_every = 2
+  elif arg == 'vllm':  # generation on one vLLM server: third_party/vllm/serve (docs/bridge.md)
+    cfg.rollout.engine = 'http'
+    cfg.rollout.urls = 'http://127.0.0.1:8100'
   elif arg:
-    raise ValueError(f"configs/smollm2_rg.py: unknown variant {arg!r} (use ':smoke' or none)")
+    raise ValueError(f"configs/smollm2_rg.py: unknown variant {arg!r} (use ':smoke', ':vllm' "
+                     'or none)')
   return cfg

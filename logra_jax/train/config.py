@@ -42,11 +42,16 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-  engine: str = 'embedded'  # the in-process JAX sampler (the loop's GENERATORS)
+  engine: str = 'embedded'  # the in-process JAX sampler | 'http': a fleet of servers
   max_new_tokens: int = 8
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  # engine='http' (docs/bridge.md): existing servers, or N JAX-engine servers launched here
+  urls: str = ''            # comma-separated base URLs (token: $LOGRA_BRIDGE_TOKEN)
+  launch: int = 0           # local JAX-engine servers the trainer starts and stops
+  full_sync_every: int = 0  # a full-weight anchor every K steps (0: only when needed)
+  u_dtype: str = 'fp32'     # low-rank U on the wire: fp32 | bf16 | fp8-e4m3 | int4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +159,8 @@ class TrainConfig:
 
 CHOICES = {
     'data.source': ('tiny', 'reasoning_gym', 'file'),
-    'rollout.engine': ('embedded',),  # = logra_jax.train.loop.GENERATORS
+    'rollout.engine': ('embedded', 'http'),  # = logra_jax.train.loop.GENERATORS
+    'rollout.u_dtype': ('fp32', 'bf16', 'fp8-e4m3', 'int4'),
     'rl.advantage': ('running_baseline', 'grpo', 'rloo', 'reinforce_pp'),
     'rl.loss': ('reinforce_tis', 'ppo_clip'),
     'rl.aggregation': ('token', 'sequence'),
@@ -196,6 +202,13 @@ def _check(cfg: TrainConfig):
   if cfg.model.vocab_chunk < 0:
     raise ValueError(f'config key model.vocab_chunk must be >= 0 (0: off), '
                      f'got {cfg.model.vocab_chunk}')
+  r = cfg.rollout
+  if r.engine == 'http' and bool(r.urls.strip()) == bool(r.launch):
+    raise ValueError('rollout.engine=http needs exactly one of config keys rollout.urls '
+                     f'(existing servers) and rollout.launch (servers to start), got '
+                     f'urls={r.urls!r}, launch={r.launch}')
+  if r.launch < 0 or r.full_sync_every < 0:
+    raise ValueError('config keys rollout.launch and rollout.full_sync_every must be >= 0')
   if cfg.reward.workers < 0:
     raise ValueError(f'config key reward.workers must be >= 0 (0: score in-process), '
                      f'got {cfg.reward.workers}')

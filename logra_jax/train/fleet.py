@@ -60,7 +60,7 @@ def stop_servers(procs):
 class FleetGenerator:
   """A `Generator` over HTTP servers, with the trainer's update broadcast."""
 
-  def __init__(self, cfg: TrainConfig, model_config, params, version: int, workdir: str,
+  def __init__(self, cfg: TrainConfig, workdir: str, model_config, params, version: int,
                pad_id: int = 0):
     r = cfg.rollout
     self.cfg, self.config, self._procs = cfg, model_config, []
@@ -94,7 +94,7 @@ class FleetGenerator:
     self.mirror.apply(blob, str(self.fleet.version))
     return stats
 
-  def sync(self, params, version: int, update=None) -> dict:
+  def update_weights(self, params, version: int, update=None) -> dict:
     """Sends step ``version``'s update (``update`` = (α·U tree, seed, step, kind), or None
     for full weights); returns sync metrics, the drift included."""
     start = time.perf_counter()

@@ -18,16 +18,22 @@ from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 from logra_jax.train import steps, tasks
 from logra_jax.train.checkpoint import Checkpointer
+from logra_jax.train.fleet import FleetGenerator
 from logra_jax.train.config import TrainConfig
 from logra_jax.train.methods import get_method
 from logra_jax.train.metrics import MetricWriter
 from logra_jax.train.rollout import JaxGenerator, assemble_batch
 
-TIMING_KEYS = ('step_time_s', 'tokens_per_s', 'generate_s', 'update_s')
+TIMING_KEYS = ('step_time_s', 'tokens_per_s', 'generate_s', 'update_s', 'sync_s')
 
-# rollout.engine -> the `logra_jax.rl.Generator` class: cls(model_config, params, version=,
-# pad_id=). The config's CHOICES['rollout.engine'] lists the same names.
-GENERATORS = {'embedded': JaxGenerator}
+# rollout.engine -> a factory of the `logra_jax.rl.Generator`:
+# f(cfg, workdir, model_config, params, version, pad_id). The config's
+# CHOICES['rollout.engine'] lists the same names.
+GENERATORS = {
+    'embedded': lambda cfg, workdir, mc, params, version, pad_id: JaxGenerator(
+        mc, params, version=version, pad_id=pad_id),
+    'http': FleetGenerator,
+}
 
 
 def generator_class(engine: str):
@@ -95,8 +101,8 @@ class Trainer:
     self._ref_fns = {}
     self.step, resumed = self._restore_or_init(params)
     self.writer = MetricWriter(workdir, resume_step=self.step if resumed else -1)
-    self.generator = generator(self.model_config, self.method.policy_params(self.state),
-                               version=self.step, pad_id=self.task.pad_id)
+    self.generator = generator(cfg, workdir, self.model_config,
+                               self.method.policy_params(self.state), self.step, self.task.pad_id)
     self.resumed = resumed
 
   def _restore_or_init(self, params):
@@ -156,8 +162,10 @@ class Trainer:
     ema = cfg.optim.mismatch_ema
     self.mismatch = (1 - ema) * self.mismatch + ema * metrics['mismatch']
     self.step = t
-    self.generator.update_weights(self.method.policy_params(self.state), t)
+    sync = self.generator.update_weights(self.method.policy_params(self.state), t,
+                                         self.method.last_update())
     end = time.perf_counter()
+    metrics.update(sync or {})
     tokens = float(batch['target_mask'].sum() + batch['mask'][:, :p].sum())
     metrics.update(rollout_metrics(results, scores, cfg.rollout.max_new_tokens),
                    step_time_s=end - start, generate_s=generated - start,
@@ -187,6 +195,8 @@ class Trainer:
     bar.close()
 
   def close(self):
+    if hasattr(self.generator, 'close'):
+      self.generator.close()
     self.writer.close()
     self.scorer.close()
     self.ckpt.close()

@@ -30,7 +30,9 @@ class JaxGenerator:
   def weight_version(self) -> int:
     return self._version
 
-  def update_weights(self, params, version: int):
+  def update_weights(self, params, version: int, update=None):
+    """The policy after step ``version`` (in process: the arrays themselves)."""
+    del update
     self.params, self._version = params, version
 
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
