@@ -132,6 +132,18 @@ def test_openai_client_completions_with_token_ids_logprobs_and_version(served):
     oa.completions.create(model='logra', prompt=[99], max_tokens=2)
 
 
+def test_bad_completion_requests_are_400_with_the_field_named(served):
+  _, _, client = served
+  good = {'prompt': list(PROMPT), 'max_tokens': 2}
+  for bad, field in ((dict(good, seed='x'), 'seed'), (dict(good, n=0), 'n'),
+                     (dict(good, max_tokens='2'), 'max_tokens'), (dict(good, prompt=[]), 'prompt'),
+                     (dict(good, temperature=-1.0), 'temperature'),
+                     (dict(good, stop_token_ids='2'), 'stop_token_ids')):
+    with pytest.raises(BridgeError, match=field) as e:
+      client.call('POST', '/v1/completions', bad)
+    assert e.value.status == 400
+
+
 def test_lowrank_update_applies_u_at_a_and_bumps_the_version(served, tmp_path):
   engine, _, client = served
   old = {k: v.copy() for k, v in engine.master_weights().items()}

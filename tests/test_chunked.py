@@ -296,8 +296,9 @@ def test_chunked_finite_difference_probe_equals_the_dense_one(step_setup):
     model = Transformer(cfg).clone(sketch_mode='linear')
     out_fn = lambda p, model=model: steps.completion.forward(
         model, sketch.sketch_variables(params, a, p), batch, P)
-    probe = jax.jit(lambda pr, u: steps._kl_probe(  # pylint: disable=protected-access
-        Transformer(cfg), out_fn, pr, u, 'fd', 1.0, batch['target_mask'])[1])
+    # The FD probe at the step a budget of 1e-3 allows (the trainer's; float64 here).
+    probe = jax.jit(lambda pr, u, model=model: steps._kl_probe(  # pylint: disable=protected-access
+        Transformer(cfg), out_fn, model, pr, u, 'fd', 1e-3, 1.0, batch['target_mask'])[1])
     qs.append(probe(probes, u))
   close(qs[1], qs[0])
 

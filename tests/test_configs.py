@@ -264,7 +264,10 @@ def test_unknown_key_is_named_with_the_closest_valid_one():
     ('optim__kl_budget_steps', 0, r'optim\.kl_budget_steps'),
     ('optim__rank_tau', 0.0, r'optim\.rank_tau'),
     ('rollout__temperature', 0.0, r'rollout\.temperature'),
-    ('rollout__engine', 'jax', r"rollout\.engine='jax' must be one of \('embedded',\)"),
+    ('rollout__engine', 'jax', r"rollout\.engine='jax' must be one of \('embedded', 'http'\)"),
+    ('rollout__engine', 'http', r'rollout\.engine=http needs exactly one of .*rollout\.urls'),
+    ('rollout__u_dtype', 'fp16', r"rollout\.u_dtype='fp16' must be one of"),
+    ('rollout__launch', -1, r'rollout\.launch and rollout\.full_sync_every must be >= 0'),
 ])
 def test_bad_values_name_the_key(key, value, pattern):
   with pytest.raises(ValueError, match=pattern):

@@ -37,6 +37,10 @@ def test_per_module_ranks_and_rank_change_keeps_row_adam_state():
   _, state = opt.update(s3, state)
   u, state = opt.update(jnp.ones((7, 16)), state)
   assert u.shape == (7, 16) and state.nu.shape == (16,)
+  # The moments carry over by value: mean_j S_ij² = 1 at both ranks, so with β2 = 0.95
+  # v_1 = 0.05 and v_2 = 0.95·0.05 + 0.05 = 0.0975 per output unit; the count goes on.
+  np.testing.assert_allclose(state.nu, np.full(16, 0.0975), rtol=1e-6)
+  assert int(state.count) == 2
   with pytest.raises(ValueError, match='rank'):
     sketch.RankRules(rules=(('x', 0),))
 

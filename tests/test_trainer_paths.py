@@ -8,7 +8,7 @@ import pytest
 
 from logra_jax.train import config as config_lib
 from logra_jax.train import loop, steps
-from logra_jax.train.rollout import JaxGenerator
+from logra_jax.train.fleet import FleetGenerator
 from trainer_runs import (assert_same_run, format_reward, make_config, quiet,  # noqa: F401
                           run_and_resume, trees_differ, xla_cache)
 
@@ -101,10 +101,10 @@ def test_kl_probe_takes_rows_of_different_prompts():
 def test_rollout_engine_is_read_by_the_loop_and_an_unknown_one_is_named(tmp_path, monkeypatch):
   assert set(loop.GENERATORS) == set(config_lib.CHOICES['rollout.engine'])
   assert make_config().rollout.engine == 'embedded'
-  assert loop.generator_class('embedded') is JaxGenerator
+  assert loop.generator_class('http') is FleetGenerator
   # An engine the config accepts but the loop lacks fails in the Trainer, naming the key.
-  monkeypatch.setitem(config_lib.CHOICES, 'rollout.engine', ('embedded', 'http'))
-  cfg = make_config(rollout__engine='http')
-  with pytest.raises(ValueError, match=r"rollout\.engine='http'.*known: \['embedded'\]"):
+  monkeypatch.setitem(config_lib.CHOICES, 'rollout.engine', ('embedded', 'http', 'grpc'))
+  cfg = make_config(rollout__engine='grpc')
+  with pytest.raises(ValueError, match=r"rollout\.engine='grpc'.*known: \['embedded', 'http'\]"):
     loop.Trainer(cfg, str(tmp_path), log=quiet)
   assert not (tmp_path / 'checkpoints').exists()

@@ -92,7 +92,7 @@ def completion_requests(body: dict, vocab_size: int) -> list[GenerationRequest]:
         temperature=_field(body, 'temperature', float, 1.0),
         top_p=_field(body, 'top_p', float, 1.0), top_k=max(_field(body, 'top_k', int, 0), 0),
         max_new_tokens=_field(body, 'max_tokens', int, 16), stop_token_ids=tuple(stop),
-        n=_field(body, 'n', int, 1), seed=body.get('seed'))
+        n=_field(body, 'n', int, 1), seed=_field(body, 'seed', int, None))
     return [GenerationRequest(tuple(r), params, request_id=str(i))
             for i, r in enumerate(_prompts(body, vocab_size))]
   except ValueError as e:
@@ -215,6 +215,8 @@ class _Handler(BaseHTTPRequestHandler):
       self._send(200, route(self.server, body, query))
     except EngineError as e:
       self._send(e.status, _error(e.status, str(e)))
+    except Exception as e:  # pylint: disable=broad-except  # a bug: answer, do not hang
+      self._send(500, _error(500, f'{type(e).__name__}: {e}'))
 
 
 def _error(status: int, message: str) -> dict:
