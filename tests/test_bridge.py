@@ -291,7 +291,7 @@ def test_drift_after_100_lowrank_updates_without_an_anchor(served, tmp_path):
   params = _params()
   apply = jax.jit(sketch.apply_sketch_updates)
   for t in range(1, 101):
-    a = sync.hf_projections(params, CONFIG, seed=0, step=t, rank=4, kind='rademacher')
+    a = sketch.make_projections(params, 0, t, 4, name_fn=hf_io.projection_name_fn(CONFIG))
     rng = np.random.default_rng(t)
     u = jax.tree.map(lambda p: (1e-2 * rng.normal(size=p.shape)).astype(np.float32),
                      sketch.zero_probes(params, a))

@@ -3,11 +3,9 @@
 Our kernels are (d_in, d_out) stacked over layers; HF weights are (d_out, d_in) per layer. A
 LoGRA step adds α·Aᵀ U to kernel l, i.e. W_l ← W_l + (α U_l)ᵀ A_l in HF layout: the blob's
 ``<name>.U`` is (α U_l)ᵀ, and A_l is what `projection.sample_projection(seed, step, name, …)`
-gives for the HF name (the trainer draws its projections under those names: see
-`hf_projection_names`).
+gives for the HF name (the trainer draws its projections under those names:
+`hf_io.projection_name_fn`).
 """
-from typing import Mapping
-
 import jax
 import numpy as np
 from flax import traverse_util
@@ -18,25 +16,6 @@ from logra_jax.models.config import ModelConfig
 from logra_jax.sketch import projection
 
 
-def hf_projection_names(config: ModelConfig) -> dict:
-  """{our param path (tuple): HF name pattern with '{i}'} of every sketchable kernel."""
-  return {s.path: s.hf_name for s in hf_io.weight_specs(config)
-          if s.transpose and s.path[0] == 'layers'}
-
-
-def hf_projections(params, config: ModelConfig, *, seed: int, step: int, rank: int,
-                   kind: str = 'rademacher'):
-  """The projections tree (leaves (N, r, d_in)) drawn under HF names, as a generator rebuilds."""
-  shapes = traverse_util.flatten_dict(jax.tree.map(np.shape, params))
-  out = {}
-  for path, pattern in hf_projection_names(config).items():
-    n, d_in = shapes[path][0], shapes[path][1]
-    out[path] = jax.numpy.asarray(np.stack([
-        projection.sample_projection(seed, step, pattern.format(i=i), rank, d_in, kind)
-        for i in range(n)]))
-  return traverse_util.unflatten_dict(out)
-
-
 def full_blob(params, config: ModelConfig, base_version: int, new_version: int) -> bytes:
   tensors = {k: np.asarray(v, np.float32) for k, v in hf_io.hf_tensors(params, config).items()}
   return wire.encode_full(tensors, base_version, new_version)
@@ -44,15 +23,11 @@ def full_blob(params, config: ModelConfig, base_version: int, new_version: int) 
 
 def lowrank_factors(u_tree, config: ModelConfig) -> tuple[dict, dict]:
   """({HF name: U (d_out, r)}, {HF name: d_in}) from the step's α-scaled (N, r, d_out) tree."""
-  names = hf_projection_names(config)
+  name_fn = hf_io.projection_name_fn(config)
   factors = {}
   for path, u in traverse_util.flatten_dict(jax.device_get(u_tree)).items():
-    pattern = names.get(tuple(path))
-    if pattern is None:
-      raise ValueError(f'no HF weight for sketched kernel {"/".join(path)}')
     for i, u_l in enumerate(np.asarray(u, np.float32)):
-      name = pattern.format(i=i)
-      factors[name] = np.ascontiguousarray(u_l.T)
+      factors[name_fn('/'.join(path), i)] = np.ascontiguousarray(u_l.T)
   d_in = {name: shape[1] for name, shape in hf_shapes(config).items() if name in factors}
   return factors, d_in
 
@@ -99,6 +74,3 @@ class Mirror:
       den += float(np.sum(v * v))
     return float(np.sqrt(num / max(den, 1e-300)))
 
-
-def tensor_bytes(tensors: Mapping[str, np.ndarray]) -> int:
-  return int(sum(np.asarray(t).nbytes for t in tensors.values()))
