@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 WORKDIR ?= runs/tiny
 ARGS ?=
 
-.PHONY: run test venv test-venv vllm-venv clean
+.PHONY: run test envs venv test-venv vllm-venv clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,9 +40,15 @@ vllm-venv: .venv-vllm/.installed
 run: $(VENV)/.installed
 	$(BIN)/python experiments/train.py --config=configs/tiny.py --workdir=$(WORKDIR) $(ARGS)
 
-# pytest exits 5 when it collects no test: that is a failure here, like any non-zero code.
-test: $(VENV)/.installed-test .venv-vllm/.installed
-	$(BIN)/python -m pytest tests -q -ra --durations=15 $(ARGS)
+# Both environments build at once (the installs wait on downloads, not on the CPU); the tests
+# run on two workers, whole files at a time, so a file's module fixtures (a vLLM server, a
+# loaded model) start once. pytest exits 5 when it collects no test: that is a failure here.
+JOBS ?= 2
+envs:
+	$(MAKE) -j2 $(VENV)/.installed-test .venv-vllm/.installed
+
+test: envs
+	$(BIN)/python -m pytest tests -q -ra --durations=15 -n $(JOBS) --dist loadfile $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm runs
