@@ -272,9 +272,12 @@ def test_memory_safe_logra_and_dense_steps_equal_the_default_steps(step_setup):
   results = {}
   for name, cfg in (('dense', mc), ('safe', mc.replace(**MEMORY_SAFE))):
     model = Transformer(cfg)
-    logra = steps.make_logra_step(model, loss_config(), logra_opt, sc)
+    # A drawn in the step: the fixture's a (seed 0, step 1, rank 4), float64.
+    logra = steps.make_logra_step(model, loss_config(), logra_opt, sc,
+                                  steps.ProjectionSpec(4, dtype=jnp.float64))
     state = logra_opt.init(sketch.zero_probes(params, a))
-    new, _, metrics = logra(copy(params), state, batch, a, jnp.float64(1e-4), jax.random.key(0))
+    new, _, metrics = logra(copy(params), state, batch, 0, 1, jnp.float64(1e-4),
+                            jax.random.key(0))
     dense = steps.make_dense_step(model, loss_config(), adam_opt, sc)
     new_d, _, metrics_d = dense(None, copy(params), adam_opt.init(params), batch)
     results[name] = new, metrics, new_d, metrics_d

@@ -37,6 +37,7 @@ COMPLETION_LENS = (3, 2, 3, 1)  # micro-batches of 2 rows hold 5 and 4 target to
 RANK = 4
 BUDGET = 1e-4
 RTOL = 1e-9
+SEED, A_STEP = 0, 1  # the fixtures' A: what the steps draw on device from (SEED, A_STEP)
 
 
 def close(actual, expected, rtol=RTOL):
@@ -93,7 +94,7 @@ def setup():
     logp = rl_losses.token_logprobs(logits, batch['targets'])
     batch['behaviour_logp'] = np.asarray(logp) + rng.uniform(-0.1, 0.1, (N, T))
     batch = jax.tree.map(jnp.asarray, batch)
-    a = sketch.make_projections(params, seed=0, step=1, ranks=RANK, dtype=jnp.float64)
+    a = sketch.make_projections(params, seed=SEED, step=A_STEP, ranks=RANK, dtype=jnp.float64)
   return mc, model, params, batch, a
 
 
@@ -142,26 +143,34 @@ ADAM_OPT = optimizers.adam_optimizer(OptimSection(name='adam'), total_steps=10)
 _STEPS = {}
 
 
-def logra_step(model, aggregation='token', m=1, **changes):
+def projection_spec(model, ranks=RANK):
+  """The fixtures' A drawn in the step: float64 for float64 params, else bfloat16 (exact at
+  R = 4, float32 where not), as the trainer draws them."""
+  dtype = jnp.float64 if model.config.param_dtype == 'float64' else jnp.bfloat16
+  return steps.ProjectionSpec(ranks, dtype=dtype)
+
+
+def logra_step(model, aggregation='token', m=1, ranks=RANK, **changes):
   """One jitted step per setting, shared by the tests (compiling is most of their time)."""
-  key = (model.config.dtype, aggregation, m, tuple(sorted(changes.items())))
+  key = (model.config.dtype, model.config.param_dtype, aggregation, m, ranks,
+         tuple(sorted(changes.items())))
   if key not in _STEPS:
     _STEPS[key] = steps.make_logra_step(model, loss_config(aggregation), LOGRA_OPT,
-                                        step_config(m, **changes))
+                                        step_config(m, **changes), projection_spec(model, ranks))
   return _STEPS[key]
 
 
-def run_logra(setup, aggregation='token', m=1, batch=None, params=None, opt_state=None, a=None,
-              **changes):
+def run_logra(setup, aggregation='token', m=1, batch=None, params=None, opt_state=None,
+              ranks=RANK, a_step=A_STEP, **changes):
+  """One step from the fixture's params at A = projections of (SEED, a_step, ranks)."""
   _, model, params0, batch0, a0 = setup
   params = params0 if params is None else params
-  a = a0 if a is None else a
   if opt_state is None:
-    opt_state = LOGRA_OPT.init(sketch.zero_probes(params, a))
-  budget = jnp.asarray(BUDGET, jax.tree.leaves(a)[0].dtype)
-  return logra_step(model, aggregation, m, **changes)(
-      copy(params), copy(opt_state), batch0 if batch is None else batch, a, budget,
-      jax.random.key(0))
+    opt_state = LOGRA_OPT.init(sketch.zero_probes(params, a0))
+  budget = jnp.asarray(BUDGET, jax.tree.leaves(a0)[0].dtype)
+  return logra_step(model, aggregation, m, ranks, **changes)(
+      copy(params), copy(opt_state), batch0 if batch is None else batch, np.uint32(SEED),
+      np.uint32(a_step), budget, jax.random.key(0))
 
 
 @pytest.fixture(scope='module')
@@ -297,9 +306,10 @@ def test_sparse_mask_inside_the_step(x64, setup, dense_grads):
   p, lr = 0.5, 1e-2
   opt = optimizers.logra_optimizer(OptimSection(sketch_optimizer='sgd', learning_rate=lr), 10)
   step = steps.make_logra_step(model, loss_config(), opt,
-                               step_config(kl_control=False, sparse_mask=p))
-  run = lambda key: step(copy(params), opt.init(sketch.zero_probes(params, a)), batch, a,
-                         jnp.float64(BUDGET), key)
+                               step_config(kl_control=False, sparse_mask=p),
+                               projection_spec(model))
+  run = lambda key: step(copy(params), opt.init(sketch.zero_probes(params, a)), batch, SEED,
+                         A_STEP, jnp.float64(BUDGET), key)
   new, _, metrics = run(jax.random.key(1))
   assert metrics['skipped'] == 0 and float(metrics['alpha']) == 1.0
   s = dense_sketch(a, flat(dense_grads[1]))
@@ -339,7 +349,8 @@ def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(x64, setup, dense_grads
   _, model, params, batch, a = setup
   lr = 1e-3
   opt = optimizers.logra_optimizer(OptimSection(preserve_norm=False, learning_rate=lr), 10)
-  step = steps.make_logra_step(model, loss_config(), opt, step_config(alpha_max=1.0))
+  step = steps.make_logra_step(model, loss_config(), opt, step_config(alpha_max=1.0),
+                               projection_spec(model))
   s = jax.tree.map(lambda a_, g: jnp.einsum('lrk,lkd->lrd', a_, g), a,
                    sketch.kernels_of(dense_grads[1], a))
   # Step 1: root = the RMS of each output unit's sketch column, U = −lr·S/(root + ε·mean root).
@@ -348,8 +359,8 @@ def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(x64, setup, dense_grads
     return s_ / (root + 1e-8 * jnp.mean(root, axis=2, keepdims=True))
   d = jax.tree.map(lambda a_, s_: jnp.einsum('lrk,lrd->lkd', a_, -lr * unit_scaled(s_)), a, s)
   targets = traverse_util.flatten_dict(d)
-  run = lambda budget: step(copy(params), opt.init(sketch.zero_probes(params, a)), batch, a,
-                            jnp.float64(budget), jax.random.key(0))
+  run = lambda budget: step(copy(params), opt.init(sketch.zero_probes(params, a)), batch, SEED,
+                            A_STEP, jnp.float64(budget), jax.random.key(0))
   free, _, m = run(1e6)  # a budget far above the step's predicted KL: α = 1, the lr step
   assert m['skipped'] == 0 and float(m['alpha']) == 1.0
   for path, w in flat(params).items():
@@ -425,19 +436,18 @@ def test_dense_adam_step_skips_a_non_finite_batch(no_x64, setup32):
 
 
 def test_rank_schedule_changes_projection_ranks_and_the_state_carries_over(no_x64, setup32):
-  _, _, params, batch, a4 = setup32
+  params = setup32[2]
   o = OptimSection(rank=RANK, rank_delta=RANK, rank_tau=2.0)
   # r_t = 4 + ceil(4 tanh(t/2)): 4 at t = 0, 8 at t = 10 (tanh(5) > 0.99).
   ranks = lambda tree: {x.shape[-2] for x in jax.tree.leaves(tree)}
   assert ranks(optimizers.projections_at(o, params, 0, 0)) == {RANK}
   assert ranks(optimizers.projections_at(o, params, 0, 10)) == {2 * RANK}
-  # The same rules at the test's dtype (the fp32 step compiled at rank 4 above is reused).
-  a_at = lambda t: sketch.make_projections(params, 0, t, optimizers.rank_rules(o, t),
-                                           o.projection)
-  a0, a10 = a_at(0), a_at(10)
-  assert ranks(a0) == {RANK} and ranks(a10) == {2 * RANK}
-  p1, o1, m1 = run_logra(setup32, a=a0, kl_probe='fd')
-  p2, o2, m2 = run_logra(setup32, params=p1, opt_state=o1, a=a10, kl_probe='fd')
+  # The steps draw A at the spec's ranks: r_0 = RANK (the fp32 rank-4 step compiled above is
+  # reused), then the rank-8 rules of step 10 (a second compile: A's shapes change).
+  assert optimizers.projection_spec(o, 0).ranks.rank('any', 99, 99) == RANK
+  r10 = optimizers.projection_spec(o, 10).ranks
+  p1, o1, m1 = run_logra(setup32, a_step=0, kl_probe='fd')
+  p2, o2, m2 = run_logra(setup32, params=p1, opt_state=o1, ranks=r10, a_step=10, kl_probe='fd')
   assert m1['skipped'] == 0 and m2['skipped'] == 0
   assert int(o2[0].count) == 2
   # RowAdam keeps one second moment per output unit: its shapes do not depend on the rank.

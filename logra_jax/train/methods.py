@@ -6,10 +6,12 @@ A method holds the run state as a dict of arrays (checkpointed as is) and expose
 
 Every array of the state lives in the sharding `logra_jax.parallel` derives from the
 model's logical axes (params, optimizer states, adapters FSDP over 'fsdp'); ``init`` places
-the params there, ``step`` places the host batch data-parallel and the projections
-replicated, and every jitted step has explicit in/out shardings and donated buffers.
+the params there, ``step`` places the host batch data-parallel (the LoGRA step draws its
+projections on device, replicated), and every jitted step has explicit in/out shardings and
+donated buffers.
 """
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -93,34 +95,43 @@ def _zeros(abstract):
   return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract)
 
 
+def _check_seed(seed: int):
+  if not 0 <= seed < 1 << 32:
+    raise ValueError(f'config key seed must lie in [0, 2**32) (the LoGRA step draws its '
+                     f'projections on device from a uint32 seed), got {seed!r}')
+
+
 def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
   o = cfg.optim
+  _check_seed(cfg.seed)
   opt = optimizers.logra_optimizer(o, cfg.total_steps)
   pl = Placement(cfg, model, layout)
   names = hf_io.projection_name_fn(model.config)  # generators rebuild A from HF names
-  a0 = optimizers.projections_at(o, pl.abstract, cfg.seed, 0, names)
+  spec_at = lambda t: optimizers.projection_spec(o, t, names)
+  a0 = jax.eval_shape(lambda: steps.draw_projections(pl.abstract, 0, 0, spec_at(0)))
   probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a0)
   probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
   opt_sh = pl.layout.state(jax.eval_shape(opt.init, probes), probe_logical)
   # Sketch accumulators at rank r_0 (a dynamic rank changes R, not the sharded D axis).
   sh = pl.step_shardings(opt_sh, params=pl.params,
                          accum=pl.layout.flat(probes, probe_logical))
-  get = _cached(lambda p: steps.make_logra_step(model, loss_config(cfg), opt,
-                                                _step_config(cfg, p), sh))
+  # One compile per prompt length and rank set (a dynamic rank changes A's shapes).
+  get = functools.cache(lambda p, spec: steps.make_logra_step(
+      model, loss_config(cfg), opt, _step_config(cfg, p), spec, sh))
   opt_init = jax.jit(lambda: opt.init(_zeros(probes)), out_shardings=opt_sh)
 
   def init(params):
     return {'params': parallel.put(params, pl.params), 'opt_state': opt_init()}
 
   def step(state, batch, prompt_len, t, budget):
-    a = optimizers.projections_at(o, state['params'], cfg.seed, t, names)
-    a = parallel.put(a, jax.tree.map(lambda _: pl.layout.replicated, a))
     key = jax.random.fold_in(jax.random.key(cfg.seed), t)
-    out = get(prompt_len)(state['params'], state['opt_state'], pl.put_batch(batch), a,
-                          np.float32(budget), key)
+    a_step = optimizers.projection_step(o, t)
+    out = get(prompt_len, spec_at(t))(state['params'], state['opt_state'], pl.put_batch(batch),
+                                      np.uint32(cfg.seed), np.uint32(a_step),
+                                      np.float32(budget), key)
     params, opt_state, metrics = out[:3]
     if len(out) == 4:
-      last[0] = (out[3], cfg.seed, t if o.refresh else 0, o.projection)
+      last[0] = (out[3], cfg.seed, a_step, o.projection)
     return {'params': params, 'opt_state': opt_state}, metrics
 
   last = [None]

@@ -7,6 +7,7 @@ import optax
 from flax import traverse_util
 
 from logra_jax import sketch
+from logra_jax.train import steps
 from logra_jax.train.config import OptimSection, parse_rank_rules
 
 
@@ -43,13 +44,26 @@ def rank_rules(o: OptimSection, step: int) -> sketch.RankRules:
   return rules.scaled(sketch.dynamic_rank(step, o.rank, o.rank_delta, o.rank_tau), o.rank)
 
 
+def projection_step(o: OptimSection, step: int) -> int:
+  """The step that seeds A: ``step`` when refreshed every step, 0 when fixed."""
+  return step if o.refresh else 0
+
+
+def projection_spec(o: OptimSection, step: int, name_fn=sketch.stacked_name,
+                    dtype=jnp.bfloat16) -> steps.ProjectionSpec:
+  """How the LoGRA step draws A at ``step`` (ranks, kind, names; ``dtype`` where exact)."""
+  return steps.ProjectionSpec(rank_rules(o, step), o.projection, name_fn, dtype)
+
+
 def projections_at(o: OptimSection, params, seed: int, step: int,
                    name_fn=sketch.stacked_name):
-  """A for every sketched kernel at ``step`` (step 0 always when projections are fixed).
+  """A for every sketched kernel at ``step``, with numpy (``projection.py``) on the host.
 
-  ``name_fn`` names the matrices in the derivation (the trainer: HF tensor names)."""
-  return sketch.make_projections(params, seed, step if o.refresh else 0,
-                                 rank_rules(o, step), o.projection, name_fn=name_fn)
+  What a generator rebuilds from (seed, step, kind); the LoGRA step draws the same bits on
+  device (``steps.draw_projections`` of ``projection_spec``). ``name_fn`` names the matrices
+  in the derivation (the trainer: HF tensor names)."""
+  return sketch.make_projections(params, seed, projection_step(o, step), rank_rules(o, step),
+                                 o.projection, name_fn=name_fn)
 
 
 def init_lora(params, rank: int, key):

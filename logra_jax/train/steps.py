@@ -17,6 +17,7 @@ import optax
 
 from logra_jax import sketch
 from logra_jax.rl import losses as rl_losses
+from logra_jax.sketch import projection_jax
 from logra_jax.train import completion
 
 
@@ -179,22 +180,41 @@ def _fp32_compute(model):
   return model.clone(config=c.replace(dtype=jnp.promote_types(jnp.float32, c.dtype).name))
 
 
-def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs, sc: StepConfig,
-                    sh: Optional[StepShardings] = None):
-  """The LoGRA step: sketches → optax → α from predicted KL → kernel += α·AᵀU (in place).
+class ProjectionSpec(NamedTuple):
+  """How a LoGRA step draws its projections A on device (static, hashable).
 
-  Returns a jitted ``step(params, opt_state, batch, projections, budget, key)`` →
-  ``(params, opt_state, metrics)`` (and α·U, the applied update's factor, when
-  ``sc.return_update``); params and opt_state are donated. A non-finite sketch,
-  loss or step size skips the update (weights and optimizer state untouched, `skipped` = 1).
-  ``sh`` fixes every input's and output's sharding (the sketch accumulators too).
+  ranks: an int or a ``sketch.RankRules``; kind: 'rademacher' | 'gaussian' | 'orthogonal';
+  name_fn: the names that seed A (the trainer: ``hf_io.projection_name_fn``); dtype: A's
+  dtype where ``projection.exact_dtype`` allows it, float32 elsewhere.
+  """
+  ranks: Any
+  kind: str = 'rademacher'
+  name_fn: Callable = sketch.stacked_name
+  dtype: Any = jnp.bfloat16
+
+
+def draw_projections(params, seed, step, proj: ProjectionSpec):
+  """A for every sketched kernel: ``projection.py``'s bits, drawn on device (jittable).
+
+  ``seed``/``step`` may be traced uint32 scalars; ``params`` may be abstract.
+  """
+  return projection_jax.make_projections_jax(params, seed, step, proj.ranks, proj.kind,
+                                             dtype=proj.dtype, name_fn=proj.name_fn)
+
+
+def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
+                    sc: StepConfig, sh: Optional[StepShardings] = None):
+  """The LoGRA step on given projections (unjitted); `make_logra_step` draws them itself.
+
+  ``update(params, opt_state, batch, projections, budget, key)``: sketches → optax → α from
+  predicted KL → kernel += α·AᵀU. Outputs as ``make_logra_step``'s step.
   """
   linear = model.clone(sketch_mode='linear')
   fd_linear = _fp32_compute(linear) if sc.kl_probe == 'fd' else None
   temp = loss_cfg.temperature
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
 
-  def step(params, opt_state, batch, projections, budget, key):
+  def update(params, opt_state, batch, projections, budget, key):
     grad_fn = lambda mb, w: sketch.sketch_value_and_grad(loss, has_aux=True)(
         params, projections, mb, w)
     probes = _constrain(sketch.zero_probes(params, projections), sh and sh.accum)
@@ -224,12 +244,39 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     applied = jax.tree.map(lambda x: jnp.where(ok, alpha * x, 0).astype(jnp.float32), u)
     return new_params, new_opt_state, metrics, applied
 
+  return update
+
+
+def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs, sc: StepConfig,
+                    proj: ProjectionSpec, sh: Optional[StepShardings] = None):
+  """The jitted LoGRA step, drawing its projections A on device from (seed, step).
+
+  Returns ``step(params, opt_state, batch, seed, step, budget, key)`` →
+  ``(params, opt_state, metrics)`` (and α·U, the applied update's factor, when
+  ``sc.return_update``); seed and step are uint32 scalars in [0, 2**32) (pass the
+  projection step: 0 for fixed A), traced, so one compile serves every step; A is
+  ``draw_projections(params, seed, step, proj)``, bit-identical to ``projection.py``, and
+  only ever exists inside the step. params and opt_state are donated. A non-finite sketch,
+  loss or step size skips the update (weights and optimizer state untouched, `skipped` = 1).
+  ``sh`` fixes every input's and output's sharding (the sketch accumulators too; A is
+  replicated).
+  """
+  if not isinstance(proj, ProjectionSpec):
+    raise TypeError(f'make_logra_step: proj must be a steps.ProjectionSpec, got {proj!r}')
+  update = logra_update_fn(model, loss_cfg, opt, sc, sh)
+
+  def step(params, opt_state, batch, seed, proj_step, budget, key):
+    a = draw_projections(params, seed, proj_step, proj)
+    a = _constrain(a, sh and jax.tree.map(lambda _: sh.replicated, a))
+    return update(params, opt_state, batch, a, budget, key)
+
   if sh is None:
     return jax.jit(step, donate_argnums=(0, 1))
   r = sh.replicated
   outs = (sh.params, sh.opt_state, r) + ((sh.accum,) if sc.return_update else ())
   return jax.jit(step, donate_argnums=(0, 1),
-                 in_shardings=(sh.params, sh.opt_state, sh.batch, r, r, r), out_shardings=outs)
+                 in_shardings=(sh.params, sh.opt_state, sh.batch, r, r, r, r),
+                 out_shardings=outs)
 
 
 def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: StepConfig,
