@@ -48,6 +48,11 @@ def get_config():
   cfg.model.path = ''               # required: --config.model.path=/path/to/hf_dir
   cfg.model.dtype = 'bfloat16'
   cfg.model.remat_policy = 'full'
+  cfg.model.attention = 'blockwise'  # no (L, L) scores per head at 16,384 tokens
+  cfg.model.attention_block = 512
+  cfg.model.vocab_chunk = 8192       # no (tokens, 152,064) fp32 logits (docs/memory.md)
+  cfg.mesh.data = 1
+  cfg.mesh.fsdp = -1                 # FSDP over every training device (the paper: 4 H100s)
   cfg.data.source = 'reasoning_gym'
   cfg.data.name = ','.join(TASKS)
   cfg.data.options = '{}'

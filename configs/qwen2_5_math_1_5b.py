@@ -46,6 +46,11 @@ def paper_math_config(preset: str, micro_batches: int, arg=None):
   cfg.model.path = ''        # required: --config.model.path=/path/to/hf_dir
   cfg.model.dtype = 'bfloat16'
   cfg.model.remat_policy = 'full'
+  cfg.model.attention = 'blockwise'  # no (L, L) scores per head at 4,096 tokens
+  cfg.model.attention_block = 512
+  cfg.model.vocab_chunk = 8192       # no (tokens, 151,936) fp32 logits (docs/memory.md)
+  cfg.mesh.data = 1
+  cfg.mesh.fsdp = -1                 # FSDP over every training device (the paper: 4 H100s)
   cfg.data.source = 'file'
   cfg.data.path = 'data/dapo_math.jsonl'    # override: --config.data.path=...
   cfg.data.eval_path = 'data/math500.jsonl'  # override: --config.data.eval_path=...
