@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
@@ -40,8 +41,7 @@ XLA_FLAGS = ('--xla_force_host_platform_device_count={n} '
 # (method, devices) rows per model; the JSON key of each row's peak.
 ROWS = (('dense', 4, 'dense_peak_gib'), ('logra', 4, 'logra_peak_gib'))
 EXTRA = {'7b': (('logra', 1, 'logra_1dev_peak_gib'),),
-         '27b': (('logra', 2, 'logra_2dev_peak_gib'),),
-         'tiny': (('logra', 1, 'logra_1dev_peak_gib'),)}
+         '27b': (('logra', 2, 'logra_2dev_peak_gib'),)}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -56,9 +56,11 @@ def compile_row(model, method, devices) -> dict:
   start = time.time()
   e = mp.entry(model, method, devices)
   compiled = e.fn.lower(*e.args).compile()
-  parts = {n: mp.bytes_per_device(a) for n, a in zip(e.names, e.args) if a is not None}
+  named = [(n, a) for n, a in zip(e.names, e.args) if a is not None]
   return dict(model=model, method=method, devices=devices, **mp.memory(compiled),
-              parts=parts, compile_s=round(time.time() - start, 1))
+              parts={n: mp.bytes_per_device(a) for n, a in named},
+              parts_global={n: mp.global_bytes(a) for n, a in named},
+              compile_s=round(time.time() - start, 1))
 
 
 def worker(spec: str):
@@ -75,11 +77,17 @@ def run_workers(rows) -> list:
     spec = ','.join(f'{m}:{meth}:{d}' for m, meth, d, _ in rows if d == n)
     env = dict(os.environ, XLA_FLAGS=XLA_FLAGS.format(n=n), JAX_PLATFORMS='cpu',
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get('PYTHONPATH')) if p))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f'--worker={spec}'],
-                          env=env, capture_output=True, text=True, check=False)
-    if proc.returncode:
-      raise RuntimeError(f'memory plan worker for {n} device(s) failed:\n{proc.stderr[-4000:]}')
-    out += [json.loads(l[4:]) for l in proc.stdout.splitlines() if l.startswith('ROW ')]
+    with tempfile.TemporaryFile('w+') as err:
+      proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), f'--worker={spec}'],
+                              env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+      for line in proc.stdout:  # each row as it compiles (progress on stderr)
+        if line.startswith('ROW '):
+          out.append(json.loads(line[4:]))
+          print(line.strip(), file=sys.stderr, flush=True)
+      if proc.wait():
+        err.seek(0)
+        raise RuntimeError(f'memory plan worker for {n} device(s) failed:\n'
+                           f'{err.read()[-4000:]}')
   return out
 
 

@@ -55,6 +55,9 @@ def load_config(model_key: str, method: str) -> TrainConfig:
   cfg = module.get_config(dense_arg) if method == 'dense' and dense_arg else module.get_config()
   if method == 'dense':
     cfg.optim.name = 'adam'
+  if model_key == 'tiny':  # the paper configs' memory settings, at the tiny shape
+    cfg.model.dtype, cfg.model.remat_policy = 'bfloat16', 'full'
+    cfg.model.attention, cfg.model.attention_block, cfg.model.vocab_chunk = 'blockwise', 16, 8
   return from_config_dict(cfg)
 
 
@@ -94,11 +97,15 @@ def abstract_projections(cfg: TrainConfig, abstract_params, sharding):
   return with_shardings(a, jax.tree.map(lambda _: sharding, a))
 
 
-def plan_step_config(cfg: TrainConfig, devices: int, prompt_len: int) -> steps.StepConfig:
-  """The trainer's StepConfig with one sequence per device per micro-batch."""
-  n = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+def plan_step_config(cfg: TrainConfig, devices: int, prompt_len: int,
+                     micro_batches: int = 0) -> steps.StepConfig:
+  """The trainer's StepConfig with one sequence per device per micro-batch.
+
+  ``micro_batches`` (0: the config's whole batch, N / devices) sets the scan length.
+  """
+  m = micro_batches or cfg.data.prompts_per_step * cfg.data.samples_per_prompt // devices
   o = cfg.optim
-  return steps.StepConfig(prompt_len, n // devices, o.kl_sequences, o.kl_control, o.kl_probe,
+  return steps.StepConfig(prompt_len, m, o.kl_sequences, o.kl_control, o.kl_probe,
                           o.alpha_max, o.sparse_mask)
 
 
@@ -107,7 +114,7 @@ def build_logra_step(model, cfg: TrainConfig, opt, sc, sh):
   return steps.make_logra_step(model, methods.loss_config(cfg), opt, sc, sh)
 
 
-def logra_entry(cfg: TrainConfig, model, layout, seq) -> Entry:
+def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   """`methods.logra_method`'s step and shardings, on abstract inputs."""
   o = cfg.optim
   opt = optimizers.logra_optimizer(o, cfg.total_steps)
@@ -118,7 +125,7 @@ def logra_entry(cfg: TrainConfig, model, layout, seq) -> Entry:
   opt_abs = jax.eval_shape(opt.init, probes)
   opt_sh = layout.state(opt_abs, probe_logical)
   sh = pl.step_shardings(opt_sh, params=pl.params, accum=layout.flat(probes, probe_logical))
-  sc = plan_step_config(cfg, layout.mesh.size, seq[0])
+  sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
   fn = build_logra_step(model, cfg, opt, sc, sh)
   rep = layout.replicated
   key = jax.eval_shape(lambda: jax.random.key(0))
@@ -129,28 +136,28 @@ def logra_entry(cfg: TrainConfig, model, layout, seq) -> Entry:
   return Entry(fn, args, ('params', 'opt_state', 'batch', 'projections', 'budget', 'key'))
 
 
-def dense_entry(cfg: TrainConfig, model, layout, seq) -> Entry:
+def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   """`methods.adam_method`'s step and shardings, on abstract inputs."""
   opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps)
   pl = methods.Placement(cfg, model, layout)
   opt_abs = jax.eval_shape(opt.init, pl.abstract)
   opt_sh = layout.state(opt_abs, pl.logical)
   sh = pl.step_shardings(opt_sh, train=pl.params, accum=pl.params)
-  sc = plan_step_config(cfg, layout.mesh.size, seq[0])
+  sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
   fn = steps.make_dense_step(model, methods.loss_config(cfg), opt, sc, sh=sh)
   args = (None, with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
           abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch))
   return Entry(fn, args, ('unused', 'params', 'opt_state', 'batch'))
 
 
-def entry(model_key: str, method: str, devices: int) -> Entry:
+def entry(model_key: str, method: str, devices: int, micro_batches: int = 0) -> Entry:
   """The compiled-to-be step of one plan row on the first ``devices`` devices."""
   cfg = load_config(model_key, method)
   layout = parallel.Layout(parallel.make_mesh(1, devices, jax.devices()[:devices]),
                            parse_axis_rules(cfg.mesh.rules))
   seq = SEQUENCE.get(model_key, DEFAULT_SEQUENCE)
   make = logra_entry if method == 'logra' else dense_entry
-  return make(cfg, make_model(cfg, method), layout, seq)
+  return make(cfg, make_model(cfg, method), layout, seq, micro_batches)
 
 
 def bytes_per_device(tree) -> int:
@@ -160,6 +167,12 @@ def bytes_per_device(tree) -> int:
     shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
     total += int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
   return total
+
+
+def global_bytes(tree) -> int:
+  """Bytes of an abstract tree's whole arrays (all devices' shards together, unreplicated)."""
+  return sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
 
 
 def memory(compiled) -> dict:
