@@ -3,8 +3,9 @@
 # pip, the package registry reachable. Installs jax[cuda12] and what the step imports into a
 # venv, then runs the 7B-shaped LoGRA and dense steps on ONE GPU (the 1-device plan), each in
 # its own process (peak_bytes_in_use is per process), and writes $OUT/gpu_measure.json.
-# Budget: ~2-3 min install, then each method's compile + 4 steps; every part has a timeout
-# so the whole fits in 8 minutes.
+# Budget: install <= 5 min (timeout 300; jax[cuda12] pulls ~3 GB of CUDA wheels), then each
+# method's compile + 4 steps of 8 x 4,096 tokens, METHOD_TIMEOUT (170 s) each: <= 8 minutes
+# once the wheels come at ordinary speed. A killed method leaves its JSON row 'no output'.
 #   OUT=/tmp/out bash experiments/gpu_measure.sh            # MODEL=7b by default
 #   TINY=1 OUT=/tmp/out bash experiments/gpu_measure.sh     # the tiny shape (any machine)
 set -uo pipefail
@@ -30,7 +31,7 @@ args=(--model="$MODEL")
 "$VENV/bin/python" -c 'import jax; print(jax.devices())' 2>&1 | tee -a "$OUT/gpu_measure.log"
 for method in logra dense; do
   log "running $method"
-  timeout 200 "$VENV/bin/python" experiments/gpu_measure.py "${args[@]}" --methods=$method \
+  timeout "${METHOD_TIMEOUT:-170}" "$VENV/bin/python" experiments/gpu_measure.py "${args[@]}" --methods=$method \
     --out="$OUT/gpu_$method.json" >>"$OUT/gpu_measure.log" 2>&1 || log "$method: exit $?"
 done
 "$VENV/bin/python" - "$OUT" <<'PY'
