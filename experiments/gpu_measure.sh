@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a writable folder}
 MODEL=${MODEL:-7b}
-VENV=${VENV:-.venv-gpu}
+VENV=${VENV:-${TMPDIR:-/tmp}/logra_jax_venv_gpu}  # outside the work tree
 mkdir -p "$OUT"
 log() { echo "[gpu_measure $(date +%T)] $*" | tee -a "$OUT/gpu_measure.log"; }
 if [ ! -x "$VENV/bin/python" ]; then
