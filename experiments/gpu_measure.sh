@@ -31,8 +31,9 @@ args=(--model="$MODEL")
 "$VENV/bin/python" -c 'import jax; print(jax.devices())' 2>&1 | tee -a "$OUT/gpu_measure.log"
 for method in logra dense; do
   log "running $method"
-  timeout "${METHOD_TIMEOUT:-170}" "$VENV/bin/python" experiments/gpu_measure.py "${args[@]}" --methods=$method \
-    --out="$OUT/gpu_$method.json" >>"$OUT/gpu_measure.log" 2>&1 || log "$method: exit $?"
+  timeout "${METHOD_TIMEOUT:-170}" "$VENV/bin/python" experiments/gpu_measure.py "${args[@]}" \
+    --methods=$method --out="$OUT/gpu_$method.json" >>"$OUT/gpu_measure.log" 2>&1 \
+    || log "$method: exit $?"
 done
 "$VENV/bin/python" - "$OUT" <<'PY'
 import glob, json, os, sys
