@@ -26,7 +26,8 @@ rank 256, Rademacher refreshed every step, SGD sketch (no RowAdam), update_ratio
 alpha from the finite-difference KL probe (as the 27B run did) on 4 sequences, budget
 cosine 2e-4 -> 2e-5 over the whole 1,200-step run minus the mismatch EMA, alpha_max 3.
 Context 16,384 tokens: 15,360 new tokens after a prompt bucket of <= 1,024. bf16 compute,
-full remat, 32 micro-batches of 4 sequences.
+full remat, 32 micro-batches of 4 sequences, blockwise attention, vocabulary chunks of 8,192,
+FSDP over every device; per-device memory plan: docs/memory.md.
 
 Should reach (docs/method.md §6): held-out macro score 39.69% -> 62.94% (peak 65.52% at step
 1,060); mean answer length 8,312 -> 4,705 tokens; truncation 34.72% -> 12.95%; Table 1 (on
@@ -48,6 +49,11 @@ def get_config():
   cfg.model.path = ''               # required: --config.model.path=/path/to/hf_dir
   cfg.model.dtype = 'bfloat16'
   cfg.model.remat_policy = 'full'
+  cfg.model.attention = 'blockwise'  # no (L, L) scores per head at 16,384 tokens
+  cfg.model.attention_block = 512
+  cfg.model.vocab_chunk = 8192       # no (tokens, 152,064) fp32 logits (docs/memory.md)
+  cfg.mesh.data = 1
+  cfg.mesh.fsdp = -1                 # FSDP over every training device (the paper: 4 H100s)
   cfg.data.source = 'reasoning_gym'
   cfg.data.name = ','.join(TASKS)
   cfg.data.options = '{}'

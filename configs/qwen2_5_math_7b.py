@@ -15,7 +15,8 @@ setting): DAPO-Math prompts from data.path, MATH-500 held out from data.eval_pat
 reward 1 / -0.01, running-baseline REINFORCE with one response per prompt and TIS cap 2.0,
 128 prompts per step, context <= 4,096 tokens (3,584 new), temperature 1.0; LoGRA rank 256,
 Rademacher refreshed every step, RowAdam, update_ratio 6e-5, predicted-KL budget cosine
-2e-4 -> 2e-5 over 300 steps, alpha_max 3; bf16 compute, full remat; eval k = 4. Only the
+2e-4 -> 2e-5 over 300 steps, alpha_max 3; bf16 compute, full remat, blockwise attention,
+vocabulary chunks of 8,192, FSDP over every device (docs/memory.md); eval k = 4. Only the
 model and the micro-batching differ: 32 micro-batches of 4 sequences (one per training GPU).
 A missing model.path stops the run at start with an error naming config key model.path.
 

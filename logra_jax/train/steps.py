@@ -13,7 +13,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from logra_jax import sketch
 from logra_jax.rl import losses as rl_losses
@@ -82,13 +84,43 @@ def split_micro_batches(batch, m: int, aggregation: str):
   return mbs, weights, shares
 
 
-def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str):
+def _split_size(batch_sharding) -> int:
+  """How many ways a batch sharding splits the leading axis (1: replicated or none)."""
+  if batch_sharding is None or not batch_sharding.spec or batch_sharding.spec[0] is None:
+    return 1
+  axes = batch_sharding.spec[0]
+  return int(np.prod([batch_sharding.mesh.shape[a]
+                      for a in (axes if isinstance(axes, tuple) else (axes,))]))
+
+
+def micro_batch_sharding(batch_sharding, n: int, m: int):
+  """(M, N/M, …) micro-batches split over the batch's devices along N/M, or None.
+
+  The batch arrives split along N; reshaped to (M, N/M) that split falls on M (whole
+  micro-batches per device), and every device would compute each micro-batch in full.
+  """
+  size = _split_size(batch_sharding)
+  if size == 1 or (n // m) % size:
+    return None
+  return NamedSharding(batch_sharding.mesh, P(None, batch_sharding.spec[0]))
+
+
+def rows_sharding(batch_sharding, n: int):
+  """``batch_sharding`` for a batch of n rows if they split evenly over it, else None."""
+  size = _split_size(batch_sharding)
+  return None if size == 1 or n % size else batch_sharding
+
+
+def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str, mb_sharding=None):
   """Σ over micro-batches of grad_fn(mb, weight) -> ((loss, metrics), grads), in a scan.
 
   Micro-batch metrics are combined into whole-batch values: token means by token share,
-  `LOSS_LIKE_METRICS` by the loss weights (so they do not depend on ``m``).
+  `LOSS_LIKE_METRICS` by the loss weights (so they do not depend on ``m``). ``mb_sharding``
+  (`micro_batch_sharding`) places each micro-batch's rows over the devices.
   """
   mbs, weights, shares = split_micro_batches(batch, m, aggregation)
+  if mb_sharding is not None:
+    mbs = jax.lax.with_sharding_constraint(mbs, jax.tree.map(lambda _: mb_sharding, mbs))
 
   def body(acc, xs):
     mb, w, share = xs
@@ -116,6 +148,19 @@ class StepShardings(NamedTuple):
   replicated: Any
   train: Any = None
   accum: Any = None
+
+
+def _mb_sharding(sh, batch, m):
+  n = jax.tree.leaves(batch)[0].shape[0]
+  return micro_batch_sharding(sh and sh.batch, n, m)
+
+
+def _kl_batch(batch, n, sh):
+  """`_kl_subset`, its rows split over the devices (else every device probes all n)."""
+  kl_batch = _kl_subset(batch, n)
+  rows = rows_sharding(sh and sh.batch, jax.tree.leaves(kl_batch)[0].shape[0])
+  return kl_batch if rows is None else jax.lax.with_sharding_constraint(
+      kl_batch, jax.tree.map(lambda _: rows, kl_batch))
 
 
 def _constrain(tree, shardings):
@@ -218,12 +263,13 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     grad_fn = lambda mb, w: sketch.sketch_value_and_grad(loss, has_aux=True)(
         params, projections, mb, w)
     probes = _constrain(sketch.zero_probes(params, projections), sh and sh.accum)
-    s, metrics = accumulate(grad_fn, probes, batch, sc.micro_batches, loss_cfg.aggregation)
+    s, metrics = accumulate(grad_fn, probes, batch, sc.micro_batches, loss_cfg.aggregation,
+                            _mb_sharding(sh, batch, sc.micro_batches))
     if sc.sparse_mask:
       s = sketch.sparse_mask_tree(s, key, sc.sparse_mask)
     kernels = sketch.kernels_of(params, projections)
     u, new_opt_state = opt.update(s, opt_state, kernels, projections=projections)
-    kl_batch = _kl_subset(batch, sc.kl_sequences)
+    kl_batch = _kl_batch(batch, sc.kl_sequences, sh)
     kl_mask = kl_batch['target_mask']
     out_fn = lambda p, m=linear: completion.forward(
         m, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len)
@@ -298,12 +344,13 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(jnp.float32, x.dtype)),
                          train)
     zeros = _constrain(zeros, sh and sh.accum)
-    g, metrics = accumulate(grad_fn, zeros, batch, sc.micro_batches, loss_cfg.aggregation)
+    g, metrics = accumulate(grad_fn, zeros, batch, sc.micro_batches, loss_cfg.aggregation,
+                            _mb_sharding(sh, batch, sc.micro_batches))
     updates, new_opt_state = opt.update(g, opt_state, train)
     ok = _all_finite(g) & jnp.isfinite(metrics['loss'])
     new_train = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), train, updates)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
-    kl_batch = _kl_subset(batch, sc.kl_sequences)
+    kl_batch = _kl_batch(batch, sc.kl_sequences, sh)
     forward = lambda t: completion.forward(model, {'params': merge(params, t)}, kl_batch,
                                            sc.prompt_len)
     metrics.update(realized_kl=completion.mean_kl(model, forward(train), forward(new_train), temp,

@@ -1,0 +1,185 @@
+"""The memory plan's building blocks: the trainer's own jitted steps on abstract inputs.
+
+Every input is a `jax.ShapeDtypeStruct` carrying the NamedSharding the trainer gives that
+array (`train.methods.Placement`, `parallel.Layout`), so `jit(...).lower(*args).compile()`
+sees the real program per device and nothing is allocated. `experiments/memory_plan.py`
+prints the figures; `experiments/gpu_measure.py` runs the same steps on real arrays.
+"""
+import importlib.util
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from logra_jax import parallel, sketch
+from logra_jax.models.presets import get_preset
+from logra_jax.models.transformer import Transformer
+from logra_jax.sketch import projection_jax
+from logra_jax.train import methods, optimizers, steps
+from logra_jax.train.config import TrainConfig, from_config_dict, parse_axis_rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GIB = 2**30
+# model key -> (config file, its dense-AdamW variant argument or None)
+CONFIGS = {'tiny': ('tiny.py', None), '1.5b': ('qwen2_5_math_1_5b.py', 'adam'),
+           '7b': ('qwen2_5_math_7b.py', 'adam'), '27b': ('paper_27b_reasoning_gym.py', None)}
+# docs/method.md Table 1: GiB per training GPU (average, peak) on 4 GPUs; None: OOM.
+PAPER = {'1.5b': {'dense': (9.18, 9.19), 'logra': (7.18, 8.66)},
+         '7b': {'dense': (31.82, 31.85), 'logra': (17.29, 22.26)},
+         '27b': {'dense': None, 'logra': (51.54, 53.88)}}
+# (prompt, completion) tokens of one sequence: 4,096 (tiny: 64).
+SEQUENCE = {'tiny': (16, 48)}
+DEFAULT_SEQUENCE = (512, 3584)
+
+
+class Entry(NamedTuple):
+  """One compiled step: the jitted function, its abstract arguments and their names."""
+  fn: Any
+  args: tuple
+  names: tuple
+
+
+def load_config(model_key: str, method: str) -> TrainConfig:
+  """The paper config of ``model_key`` for ``method`` ('logra' or 'dense')."""
+  if model_key not in CONFIGS:
+    raise ValueError(f'unknown model {model_key!r}; known: {sorted(CONFIGS)}')
+  if method not in ('logra', 'dense'):
+    raise ValueError(f"method must be 'logra' or 'dense', got {method!r}")
+  name, dense_arg = CONFIGS[model_key]
+  spec = importlib.util.spec_from_file_location(f'_plan_{model_key}',
+                                                os.path.join(ROOT, 'configs', name))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  cfg = module.get_config(dense_arg) if method == 'dense' and dense_arg else module.get_config()
+  if method == 'dense':
+    cfg.optim.name = 'adam'
+  if model_key == 'tiny':  # the paper configs' memory settings, at the tiny shape
+    cfg.model.dtype, cfg.model.remat_policy = 'bfloat16', 'full'
+    cfg.model.attention, cfg.model.attention_block, cfg.model.vocab_chunk = 'blockwise', 16, 8
+  return from_config_dict(cfg)
+
+
+def param_dtype(cfg: TrainConfig, method: str) -> str:
+  """bf16 params for LoGRA; dense AdamW keeps fp32 master weights (the configs' recipe)."""
+  return 'float32' if method == 'dense' or cfg.model.dtype == 'float32' else 'bfloat16'
+
+
+def make_model(cfg: TrainConfig, method: str) -> Transformer:
+  m = cfg.model
+  return Transformer(get_preset(
+      m.preset, dtype=m.dtype, param_dtype=param_dtype(cfg, method),
+      remat_policy=m.remat_policy, attention=m.attention, attention_block=m.attention_block,
+      vocab_chunk=m.vocab_chunk))
+
+
+def with_shardings(abstract, shardings):
+  """ShapeDtypeStructs carrying ``shardings`` (same tree structure)."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, shardings)
+
+
+def abstract_batch(n: int, prompt_len: int, completion_len: int, sharding):
+  """The trainer's batch (rollout.assemble_batch) as abstract arrays of N sequences."""
+  l, t = prompt_len + completion_len, completion_len
+  shapes = dict(tokens=((n, l), jnp.int32), mask=((n, l), jnp.bool_),
+                targets=((n, t), jnp.int32), target_mask=((n, t), jnp.float32),
+                behaviour_logp=((n, t), jnp.float32), advantages=((n,), jnp.float32))
+  return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()}
+
+
+def abstract_projections(cfg: TrainConfig, abstract_params, sharding):
+  """A at step 0 as ShapeDtypeStructs: bf16 where `projection.exact_dtype` allows it."""
+  o = cfg.optim
+  a = jax.eval_shape(lambda: projection_jax.make_projections_jax(
+      abstract_params, 0, 0, optimizers.rank_rules(o, 0), o.projection, dtype=jnp.bfloat16))
+  return with_shardings(a, jax.tree.map(lambda _: sharding, a))
+
+
+def plan_step_config(cfg: TrainConfig, devices: int, prompt_len: int,
+                     micro_batches: int = 0) -> steps.StepConfig:
+  """The trainer's StepConfig with one sequence per device per micro-batch.
+
+  ``micro_batches`` (0: the config's whole batch, N / devices) sets the scan length.
+  """
+  m = micro_batches or cfg.data.prompts_per_step * cfg.data.samples_per_prompt // devices
+  o = cfg.optim
+  return steps.StepConfig(prompt_len, m, o.kl_sequences, o.kl_control, o.kl_probe,
+                          o.alpha_max, o.sparse_mask)
+
+
+def build_logra_step(model, cfg: TrainConfig, opt, sc, sh):
+  """THE place the plan builds the LoGRA step (today A is an argument of the step)."""
+  return steps.make_logra_step(model, methods.loss_config(cfg), opt, sc, sh)
+
+
+def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
+  """`methods.logra_method`'s step and shardings, on abstract inputs."""
+  o = cfg.optim
+  opt = optimizers.logra_optimizer(o, cfg.total_steps)
+  pl = methods.Placement(cfg, model, layout)
+  a = abstract_projections(cfg, pl.abstract, layout.replicated)
+  probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a)
+  probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
+  opt_abs = jax.eval_shape(opt.init, probes)
+  opt_sh = layout.state(opt_abs, probe_logical)
+  sh = pl.step_shardings(opt_sh, params=pl.params, accum=layout.flat(probes, probe_logical))
+  sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
+  fn = build_logra_step(model, cfg, opt, sc, sh)
+  rep = layout.replicated
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  args = (with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
+          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch), a,
+          jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+          jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
+  return Entry(fn, args, ('params', 'opt_state', 'batch', 'projections', 'budget', 'key'))
+
+
+def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
+  """`methods.adam_method`'s step and shardings, on abstract inputs."""
+  opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps)
+  pl = methods.Placement(cfg, model, layout)
+  opt_abs = jax.eval_shape(opt.init, pl.abstract)
+  opt_sh = layout.state(opt_abs, pl.logical)
+  sh = pl.step_shardings(opt_sh, train=pl.params, accum=pl.params)
+  sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
+  fn = steps.make_dense_step(model, methods.loss_config(cfg), opt, sc, sh=sh)
+  args = (None, with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
+          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch))
+  return Entry(fn, args, ('unused', 'params', 'opt_state', 'batch'))
+
+
+def entry(model_key: str, method: str, devices: int, micro_batches: int = 0) -> Entry:
+  """The compiled-to-be step of one plan row on the first ``devices`` devices."""
+  cfg = load_config(model_key, method)
+  layout = parallel.Layout(parallel.make_mesh(1, devices, jax.devices()[:devices]),
+                           parse_axis_rules(cfg.mesh.rules))
+  seq = SEQUENCE.get(model_key, DEFAULT_SEQUENCE)
+  make = logra_entry if method == 'logra' else dense_entry
+  return make(cfg, make_model(cfg, method), layout, seq, micro_batches)
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes of one device's shards of an abstract tree (the largest shard per leaf)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    total += int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
+  return total
+
+
+def global_bytes(tree) -> int:
+  """Bytes of an abstract tree's whole arrays (all devices' shards together, unreplicated)."""
+  return sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def memory(compiled) -> dict:
+  """Per-device bytes of a compiled step; peak = arguments + outputs − aliased + temp."""
+  m = compiled.memory_analysis()
+  out = dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
+             alias=m.alias_size_in_bytes, temp=m.temp_size_in_bytes)
+  out['peak'] = out['argument'] + out['output'] - out['alias'] + out['temp']
+  return out
+
