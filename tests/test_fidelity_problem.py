@@ -15,4 +15,3 @@ def test_decoder_problem_loss_is_the_decoders_next_token_nll():
   want = token_nll(logits, problem.tokens_BxL)
   np.testing.assert_array_equal(problem.loss(variables, problem.tokens_BxL), want)
   assert np.isfinite(float(want)) and float(want) > 0
-  assert fidelity.tiny_problem(vocab=8, d=4, f=8, layers=1, batch=1, length=3).dtype == jnp.float32
