@@ -1,5 +1,5 @@
 """Sketch fidelity and compressor cost: the library behind `experiments/sketch_fidelity.py`,
-`experiments/compressor_cost.py` and `notebooks/sketch_fidelity.ipynb`.
+`experiments/compressor_cost.py` and `notebooks/01_sketches.ipynb`.
 
 Shapes: B batch, L length, K kernel input (k_in), D kernel output (d_out), R rank.
 
@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from logra_jax.models import transformer
+from logra_jax.models.presets import get_preset
 from logra_jax.sketch.compress import randomized_svd_compress, sparse_mask_tree
 from logra_jax.sketch.projection import KINDS
 from logra_jax.sketch.rank import RankRules
@@ -47,7 +49,15 @@ class Problem:
   tokens_BxL: jax.Array
 
   def loss(self, variables, tokens_BxL):
-    return token_nll(self.model.apply(variables, tokens_BxL), tokens_BxL)
+    out = self.model.apply(variables, tokens_BxL)
+    logits_BxLxV = out[0] if isinstance(out, tuple) else out  # Transformer: (logits, cache)
+    return token_nll(logits_BxLxV, tokens_BxL)
+
+  @property
+  def dtype(self):
+    """The compute dtype (TinyLM's `dtype`, the Transformer's `config.dtype`)."""
+    config = getattr(self.model, 'config', None)
+    return jnp.dtype(config.dtype if config is not None else self.model.dtype)
 
 
 def tiny_problem(vocab=64, d=256, f=1024, layers=2, batch=4, length=32, seed=0,
@@ -57,6 +67,14 @@ def tiny_problem(vocab=64, d=256, f=1024, layers=2, batch=4, length=32, seed=0,
   tokens = jax.random.randint(jax.random.key(seed + 1), (batch, length), 0, vocab)
   params = jax.jit(lambda key, t: init_params(model, key, t))(jax.random.key(seed), tokens)
   return Problem(model, params, tokens)
+
+
+def decoder_problem(preset='tiny', batch=4, length=24, seed=0, dtype='float32') -> Problem:
+  """The library's decoder (`models.Transformer`, a preset at random init), random tokens."""
+  config = get_preset(preset, dtype=jnp.dtype(dtype).name, param_dtype=jnp.dtype(dtype).name)
+  tokens = jax.random.randint(jax.random.key(seed + 1), (batch, length), 0, config.vocab_size)
+  params = jax.jit(lambda key: transformer.init_params(config, key))(jax.random.key(seed))
+  return Problem(transformer.Transformer(config), params, tokens)
 
 
 def _merge(params, sub):
@@ -95,7 +113,7 @@ def predicted_cosine(rank: int, dim: int, kind: str = 'rademacher') -> float:
 
 def _cosines_one_draw(sketch_fn, problem, grads, rank, kind, seed):
   """Per (matrix, layer): (module, cosine, R, K) for one projection draw."""
-  a = make_projections(problem.params, seed, 0, rank, kind, dtype=problem.model.dtype)
+  a = make_projections(problem.params, seed, 0, rank, kind, dtype=problem.dtype)
   _, s = sketch_fn(problem.params, a, problem.tokens_BxL)
   cos = jax.tree.map(reconstruction_cosine, a, s, grads)
   out = []
@@ -228,7 +246,7 @@ def compressor_cost(problem: Problem, rank=64, mask_fraction=0.5, repeats=5, see
     'peak', 'seconds'}, 'ratios': {...}} with dense/sketch and masked/sketch ratios.
   """
   key = jax.random.key(seed)
-  a = make_projections(problem.params, seed, 0, rank, dtype=problem.model.dtype)
+  a = make_projections(problem.params, seed, 0, rank, dtype=problem.dtype)
   p, t = problem.params, problem.tokens_BxL
   paths = {'sketch': (sketch_path(problem), (p, a, t, key)),
            'masked_sketch': (sketch_path(problem, mask_fraction), (p, a, t, key)),
