@@ -43,8 +43,8 @@ def _random(x, key):
   return jax.jit(make, out_shardings=x.sharding)(key)
 
 
-def materialize(entry, vocab: int, rank: int):
-  """Random inputs for an `Entry`: params, zero optimizer state, tokens, ±1/√r A."""
+def materialize(entry, vocab: int):
+  """Random inputs for an `Entry`: params, zero optimizer state, tokens (A is drawn in-step)."""
   key = jax.random.key(0)
   out = []
   for name, tree in zip(entry.names, entry.args):
@@ -56,10 +56,6 @@ def materialize(entry, vocab: int, rank: int):
     if name == 'opt_state':
       vals = [jax.jit(lambda x=x: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
               for x in leaves]
-    elif name == 'projections':
-      vals = [jax.jit(lambda k, x=x: (jax.random.rademacher(k, x.shape, jnp.float32)
-                                      / np.sqrt(rank)).astype(x.dtype),
-                      out_shardings=x.sharding)(k) for x, k in zip(leaves, keys)]
     elif name == 'budget':
       vals = [jnp.float32(2e-4)]
     else:
@@ -89,7 +85,7 @@ def run_method(model_key: str, method: str, micro_batches: int, steps: int) -> d
   if limit and row['plan']['peak'] > limit:
     row['run'] = 'not run: the compiled plan exceeds the device'
     return row
-  args = materialize(e, mp.make_model(cfg, method).config.vocab_size, cfg.optim.rank)
+  args = materialize(e, mp.make_model(cfg, method).config.vocab_size)
   times = []
   for _ in range(steps):
     t = time.time()

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from logra_jax import parallel, sketch
+from logra_jax.models import hf_io
 from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer
-from logra_jax.sketch import projection_jax
 from logra_jax.train import methods, optimizers, steps
 from logra_jax.train.config import TrainConfig, from_config_dict, parse_axis_rules
 
@@ -89,14 +89,6 @@ def abstract_batch(n: int, prompt_len: int, completion_len: int, sharding):
   return {k: jax.ShapeDtypeStruct(s, d, sharding=sharding) for k, (s, d) in shapes.items()}
 
 
-def abstract_projections(cfg: TrainConfig, abstract_params, sharding):
-  """A at step 0 as ShapeDtypeStructs: bf16 where `projection.exact_dtype` allows it."""
-  o = cfg.optim
-  a = jax.eval_shape(lambda: projection_jax.make_projections_jax(
-      abstract_params, 0, 0, optimizers.rank_rules(o, 0), o.projection, dtype=jnp.bfloat16))
-  return with_shardings(a, jax.tree.map(lambda _: sharding, a))
-
-
 def plan_step_config(cfg: TrainConfig, devices: int, prompt_len: int,
                      micro_batches: int = 0) -> steps.StepConfig:
   """The trainer's StepConfig with one sequence per device per micro-batch.
@@ -110,8 +102,9 @@ def plan_step_config(cfg: TrainConfig, devices: int, prompt_len: int,
 
 
 def build_logra_step(model, cfg: TrainConfig, opt, sc, sh):
-  """THE place the plan builds the LoGRA step (today A is an argument of the step)."""
-  return steps.make_logra_step(model, methods.loss_config(cfg), opt, sc, sh)
+  """THE place the plan builds the LoGRA step: A drawn inside it, as in the trainer."""
+  spec = optimizers.projection_spec(cfg.optim, 0, hf_io.projection_name_fn(model.config))
+  return steps.make_logra_step(model, methods.loss_config(cfg), opt, sc, spec, sh)
 
 
 def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
@@ -119,7 +112,8 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   o = cfg.optim
   opt = optimizers.logra_optimizer(o, cfg.total_steps)
   pl = methods.Placement(cfg, model, layout)
-  a = abstract_projections(cfg, pl.abstract, layout.replicated)
+  spec = optimizers.projection_spec(o, 0, hf_io.projection_name_fn(model.config))
+  a = jax.eval_shape(lambda: steps.draw_projections(pl.abstract, 0, 0, spec))  # drawn in-step
   probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a)
   probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
   opt_abs = jax.eval_shape(opt.init, probes)
@@ -130,10 +124,12 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   rep = layout.replicated
   key = jax.eval_shape(lambda: jax.random.key(0))
   args = (with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
-          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch), a,
+          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch),
+          jax.ShapeDtypeStruct((), jnp.uint32, sharding=rep),
+          jax.ShapeDtypeStruct((), jnp.uint32, sharding=rep),
           jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
           jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
-  return Entry(fn, args, ('params', 'opt_state', 'batch', 'projections', 'budget', 'key'))
+  return Entry(fn, args, ('params', 'opt_state', 'batch', 'seed', 'step', 'budget', 'key'))
 
 
 def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
