@@ -17,7 +17,7 @@ from logra_jax.analysis.tiny_lm import token_nll
 from logra_jax.models import transformer
 from logra_jax.models.config import ModelConfig
 from logra_jax.rl import losses as rl_losses
-from logra_jax.train import lora, optimizers, steps
+from logra_jax.train import lora, optimizers, steps, tasks
 from logra_jax.train.config import OptimSection
 from trainer_runs import (assert_same_run, format_reward, make_config,  # noqa: F401
                           run_and_resume, trees_differ, xla_cache)
@@ -119,8 +119,8 @@ def test_lora_training_step_forms_no_kernel_shaped_value_from_the_adapters():
 
 @pytest.mark.slow
 def test_lora_trainer_moves_the_adapters_and_resumes_exactly(tmp_path):
-  """optim.name=lora through the loop: the adapters move, the base weights do not, and a run
-  stopped at step 2 and resumed repeats the uninterrupted 4-step run exactly."""
+  """optim.name=lora through the loop: the adapters and the generator's (merged) weights move,
+  and a run stopped at step 2 and resumed repeats the uninterrupted 4-step run exactly."""
   make = lambda **kw: make_config(optim__name='lora', **kw)
   full, full_rows, resumed, rows = run_and_resume(make, tmp_path, stop_at=2)
   assert_same_run(full, full_rows, resumed, rows)
@@ -128,3 +128,7 @@ def test_lora_trainer_moves_the_adapters_and_resumes_exactly(tmp_path):
   assert any(r['realized_kl'] > 0 for r in full_rows[1:])
   init = full.method.init(full.state['params'])  # fresh adapters: b = 0
   assert trees_differ(full.state['lora'], init['lora'])
+  # The generator samples with the merged weights: they moved, the base weights did not.
+  assert trees_differ(full.method.policy_params(full.state), full.state['params'])
+  start = tasks.build_model(full.cfg, full.task)[2]  # the run's initial weights (no warm start)
+  assert not trees_differ(start, full.state['params'])
