@@ -27,6 +27,7 @@ from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl import losses as rl_losses
 from logra_jax.rl.types import GenerationRequest, GenerationResult, SamplingParams
+from logra_jax.train import lora as lora_lib
 from logra_jax.train import optimizers, steps
 from logra_jax.train.config import OptimSection
 from logra_jax.train.rollout import JaxGenerator, assemble_batch
@@ -465,7 +466,7 @@ def test_lora_merge_by_hand():
             'layers': {'up_proj': {'kernel': jnp.stack([w, 2 * w])}}}
   lora = {'attn': {'q_proj': {'kernel': {'a': a, 'b': b}}},
           'layers': {'up_proj': {'kernel': {'a': jnp.stack([a, -a]), 'b': jnp.stack([b, b])}}}}
-  merged = optimizers.lora_merge(params, lora, 0.5)
+  merged = lora_lib.merge(params, lora, 0.5)
   # a b = [[1, 0, -1], [2, 0, -2]]; times 0.5: [[.5, 0, -.5], [1, 0, -1]].
   np.testing.assert_array_equal(merged['attn']['q_proj']['kernel'],
                                 [[1.5, 2., 2.5], [5., 5., 5.]])
@@ -480,10 +481,10 @@ def test_lora_step_trains_only_the_adapters(x64, setup, dense_grads):
   _, model, params, batch, _ = setup
   o = OptimSection(name='lora', lora_rank=2, lora_alpha=4.0)
   scale = o.lora_alpha / o.lora_rank
-  merge = lambda p, lora: optimizers.lora_merge(p, lora, scale)
-  lora = optimizers.init_lora(params, o.lora_rank, jax.random.key(1))
+  merge = lambda p, lora: lora_lib.merge(p, lora, scale)
+  lora = lora_lib.init(params, o.lora_rank, jax.random.key(1))
   opt = optimizers.adam_optimizer(o, total_steps=10)
-  step = steps.make_dense_step(model, loss_config(), opt, step_config(), merge=merge)
+  step = steps.make_dense_step(model, loss_config(), opt, step_config(), lora_scale=scale)
   base = jax.device_get(params)
   new, _, metrics = step(params, copy(lora), opt.init(lora), batch)
   assert metrics['skipped'] == 0

@@ -21,7 +21,7 @@ import numpy as np
 from logra_jax import parallel, sketch
 from logra_jax.models import hf_io
 from logra_jax.rl import losses as rl_losses
-from logra_jax.train import optimizers, steps
+from logra_jax.train import lora, optimizers, steps
 from logra_jax.train.config import TrainConfig
 
 
@@ -161,32 +161,34 @@ def adam_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = Non
 
 
 def lora_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
+  """AdamW on LoRA adapters computed in the layers (`logra_jax.train.lora`); the generator
+  samples with the merged weights W + s·a b."""
   o = cfg.optim
   opt = optimizers.adam_optimizer(o, cfg.total_steps)
   scale = o.lora_alpha / o.lora_rank
-  merge = lambda params, lora: optimizers.lora_merge(params, lora, scale)
   pl = Placement(cfg, model, layout)
-  new_lora = lambda: optimizers.init_lora(pl.abstract, o.lora_rank, jax.random.key(cfg.seed + 1))
+  new_lora = lambda: lora.init(pl.abstract, o.lora_rank, jax.random.key(cfg.seed + 1))
   lora_abs = jax.eval_shape(new_lora)
   lora_logical = parallel.lora_logical(pl.logical, sketch.target_paths(pl.abstract))
   lora_sh = pl.layout.flat(lora_abs, lora_logical)
   opt_sh = pl.layout.state(jax.eval_shape(opt.init, lora_abs), lora_logical)
   sh = pl.step_shardings(opt_sh, params=pl.params, train=lora_sh, accum=lora_sh)
   get = _cached(lambda p: steps.make_dense_step(model, loss_config(cfg), opt,
-                                                _step_config(cfg, p), merge=merge, sh=sh))
-  merged = jax.jit(merge, in_shardings=(pl.params, lora_sh), out_shardings=pl.params)
+                                                _step_config(cfg, p), lora_scale=scale, sh=sh))
+  merged = jax.jit(lambda params, ab: lora.merge(params, ab, scale),
+                   in_shardings=(pl.params, lora_sh), out_shardings=pl.params)
   lora_init = jax.jit(lambda: (lambda l: (l, opt.init(l)))(new_lora()),
                       out_shardings=(lora_sh, opt_sh))
 
   def init(params):
-    lora, opt_state = lora_init()
-    return {'params': parallel.put(params, pl.params), 'lora': lora, 'opt_state': opt_state}
+    ab, opt_state = lora_init()
+    return {'params': parallel.put(params, pl.params), 'lora': ab, 'opt_state': opt_state}
 
   def step(state, batch, prompt_len, t, budget):
     del t, budget
-    lora, opt_state, metrics = get(prompt_len)(state['params'], state['lora'],
-                                               state['opt_state'], pl.put_batch(batch))
-    return dict(state, lora=lora, opt_state=opt_state), metrics
+    ab, opt_state, metrics = get(prompt_len)(state['params'], state['lora'],
+                                             state['opt_state'], pl.put_batch(batch))
+    return dict(state, lora=ab, opt_state=opt_state), metrics
 
   return Method(init, step, lambda s: merged(s['params'], s['lora']), pl)
 

@@ -1,10 +1,9 @@
-"""Optimizer builders: LoGRA (sketch tree), dense AdamW, LoRA adapters — from the config."""
-import math
+"""Optimizer builders from the config: LoGRA (sketch tree), AdamW (dense and LoRA adapters).
 
-import jax
+The LoRA adapters themselves (init, in-layer forward, merge) are in `logra_jax.train.lora`.
+"""
 import jax.numpy as jnp
 import optax
-from flax import traverse_util
 
 from logra_jax import sketch
 from logra_jax.train import steps
@@ -64,25 +63,3 @@ def projections_at(o: OptimSection, params, seed: int, step: int,
   in the derivation (the trainer: HF tensor names)."""
   return sketch.make_projections(params, seed, projection_step(o, step), rank_rules(o, step),
                                  o.projection, name_fn=name_fn)
-
-
-def init_lora(params, rank: int, key):
-  """Adapters a (…, K, r) ~ N(0, 1/K) and b (…, r, D) = 0 on every sketch target kernel."""
-  flat = traverse_util.flatten_dict(params)
-  out = {}
-  paths = sketch.target_paths(params)
-  for path, k in zip(paths, jax.random.split(key, len(paths))):
-    w = flat[path]
-    *lead, d_in, d_out = w.shape
-    r = min(rank, d_in, d_out)
-    out[path] = {'a': jax.random.normal(k, (*lead, d_in, r), w.dtype) / math.sqrt(d_in),
-                 'b': jnp.zeros((*lead, r, d_out), w.dtype)}
-  return traverse_util.unflatten_dict(out)
-
-
-def lora_merge(params, lora, scale: float):
-  """params with kernel + scale · a @ b on every adapted kernel."""
-  flat = traverse_util.flatten_dict(params)
-  for path, ab in traverse_util.flatten_dict(lora, is_leaf=lambda k, v: 'a' in v).items():
-    flat[path] = flat[path] + scale * jnp.einsum('...kr,...rd->...kd', ab['a'], ab['b'])
-  return traverse_util.unflatten_dict(flat)

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from logra_jax import sketch
 from logra_jax.rl import losses as rl_losses
 from logra_jax.sketch import projection_jax
-from logra_jax.train import completion
+from logra_jax.train import completion, lora
 
 
 def completion_logits(model, variables, batch, prompt_len):
@@ -326,21 +326,26 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
 
 
 def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: StepConfig,
-                    merge: Callable = None, sh: Optional[StepShardings] = None):
-  """Dense-gradient step (AdamW on all params, or LoRA on adapters through ``merge``).
+                    lora_scale: Optional[float] = None, sh: Optional[StepShardings] = None):
+  """Dense-gradient step: AdamW on all params, or (``lora_scale`` = s) on LoRA adapters.
 
-  ``step(params, train, opt_state, batch)`` → ``(params, train, opt_state, metrics)``: for
+  ``step(params, train, opt_state, batch)`` → ``(new train, opt_state, metrics)``: for
   dense Adam ``train`` is the params themselves (pass params twice; the first is ignored);
-  for LoRA ``train`` are the adapters and ``merge(params, train)`` the merged weights.
+  for LoRA ``train`` are the adapters (`logra_jax.train.lora`), computed in the layers as
+  x W + s·(x a) b with the params frozen: no merged kernel, no kernel gradient.
   ``sh`` fixes every input's and output's sharding (the gradient accumulators too).
   """
   temp = loss_cfg.temperature
+  if lora_scale is None:
+    variables = lambda params, train: {'params': train}
+  else:
+    model = lora.layer_model(model)
+    variables = functools.partial(lora.variables, scale=lora_scale)
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
-  merge = merge or (lambda params, train: train)
 
   def step(params, train, opt_state, batch):
     grad_fn = lambda mb, w: jax.value_and_grad(
-        lambda t: loss({'params': merge(params, t)}, mb, w), has_aux=True)(train)
+        lambda t: loss(variables(params, t), mb, w), has_aux=True)(train)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(jnp.float32, x.dtype)),
                          train)
     zeros = _constrain(zeros, sh and sh.accum)
@@ -351,7 +356,7 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
     new_train = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), train, updates)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
     kl_batch = _kl_batch(batch, sc.kl_sequences, sh)
-    forward = lambda t: completion.forward(model, {'params': merge(params, t)}, kl_batch,
+    forward = lambda t: completion.forward(model, variables(params, t), kl_batch,
                                            sc.prompt_len)
     metrics.update(realized_kl=completion.mean_kl(model, forward(train), forward(new_train), temp,
                                                   kl_batch['target_mask']),
