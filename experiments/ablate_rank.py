@@ -14,7 +14,6 @@ starting policy, G the dense gradient of the reference answers' NLL (the answer 
 Writes WORKDIR/results.md, results.json and ablate_rank.png.
 """
 import os
-import platform
 import time
 
 from absl import app, flags, logging
@@ -42,13 +41,10 @@ def arms(s: dict) -> list:
 
 def run_arm(base, arm: dict, workdir: str, start_dir: str, log) -> dict:
   """Trains one arm from the shared start; its final pass@1 and per-step summaries."""
-  cfg = ablation_io.train_config(base, {'optim.rank': arm['rank'],
-                                        'optim.projection': arm['projection'],
-                                        'optim.refresh': arm['refresh']})
-  ablation_start.check_arm(base, cfg, arm['name'])
-  arm_dir = os.path.join(workdir, 'arms', arm['name'])
-  ablation_start.seed_workdir(start_dir, arm_dir)
-  res = ablation_io.run(cfg, arm_dir, log)
+  res = ablation_start.run_arm(base, arm['name'], {'optim.rank': arm['rank'],
+                                                   'optim.projection': arm['projection'],
+                                                   'optim.refresh': arm['refresh']},
+                               workdir, start_dir, log)
   rl = [r for r in res.history if r['step'] > 0]
   mean = lambda k: float(np.mean([r[k] for r in rl if r.get(k) is not None] or [np.nan]))
   return dict(arm, pass_at_1=res.final.get('eval_accuracy'),
@@ -151,6 +147,12 @@ def markdown(arm_rows: list, summary: list, cos_rows: list, meta: dict) -> str:
   return '\n'.join(parts)
 
 
+def _rank_ticks(ax, ranks):
+  ranks = sorted(set(ranks))
+  ax.set_xticks(ranks, [str(r) for r in ranks])
+  ax.set_xticks([], minor=True)
+
+
 def figure(arm_rows: list, summary: list, cos_rows: list):
   kinds = list(dict.fromkeys(r['kind'] for r in cos_rows))
   fig, axes = ablation_io.new_figure(2 + len(kinds), width=4.2, height=4.6)
@@ -159,6 +161,7 @@ def figure(arm_rows: list, summary: list, cos_rows: list):
     axes[0].plot([a['rank'] for a in aa], [a['pass_at_1'] for a in aa], 'o-', label=v)
   axes[0].axhline(arm_rows[0]['start_pass_at_1'], color='gray', ls=':', label='start')
   axes[0].set(xscale='log', xlabel='rank', ylabel='held-out pass@1', title='(a) final pass@1')
+  _rank_ticks(axes[0], [a['rank'] for a in arm_rows])
   axes[0].legend(fontsize=7)
   for kind in kinds:
     ss = [r for r in summary if r['kind'] == kind]
@@ -167,12 +170,13 @@ def figure(arm_rows: list, summary: list, cos_rows: list):
                  color=line.get_color(), alpha=0.6)
   axes[1].set(xscale='log', xlabel='rank', ylabel='mean cos (dashed: theory)', ylim=(0, 1),
               title='(b) reconstruction cosine')
+  _rank_ticks(axes[1], [r['rank'] for r in summary])
   axes[1].legend(fontsize=7)
   for ax, kind in zip(axes[2:], kinds):
     labels, cranks, grid = heatmap(cos_rows, kind)
     im = ax.imshow(grid, vmin=0, vmax=1, cmap='viridis', aspect='auto')
     ax.set_xticks(range(len(cranks)), [str(k) for k in cranks])
-    ax.set_yticks(range(len(labels)), labels, fontsize=6)
+    ax.set_yticks(range(len(labels)), labels if ax is axes[2] else [], fontsize=6)
     ax.set(xlabel='rank', title=f'(c) layer-wise cosine, {kind}')
   fig.colorbar(im, ax=axes[2:], shrink=0.8)
   return fig
@@ -196,9 +200,7 @@ def main(argv):
   meta = dict(command=' '.join(['python experiments/ablate_rank.py',
                                 f'--config={flags.FLAGS["config"].config_filename}',
                                 f'--workdir={workdir}']),
-              machine=f'{jax.devices()[0].device_kind} x{jax.device_count()}, '
-                      f'{os.cpu_count()} CPU cores, {platform.machine()}',
-              jax=jax.__version__, wall_s=time.perf_counter() - start,
+              machine=ablation_start.machine(), wall_s=time.perf_counter() - start,
               start_pass_at_1=arm_rows[0]['start_pass_at_1'])
   results = dict(name=NAME, meta=meta, settings=s, arms=arm_rows, cosine_summary=summary,
                  cosines=cos_rows)

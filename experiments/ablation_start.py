@@ -15,10 +15,12 @@ program (same rank; same KL-control switch and alpha_max) compile it once.
 import dataclasses
 import json
 import os
+import platform
 import shutil
 
 import jax
 
+import ablation_io
 from logra_jax.train import loop
 from logra_jax.train.config import TrainConfig
 
@@ -93,3 +95,19 @@ def compile_cache_dir(flag_value, workdir: str) -> str:
   if flag_value is not None:
     return flag_value
   return os.environ.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(workdir, 'jax_cache')
+
+
+def run_arm(base: TrainConfig, name: str, overrides: dict, workdir: str, start_dir: str,
+            log=print) -> ablation_io.RunResult:
+  """``base`` with ``overrides``, trained from the shared start in WORKDIR/arms/NAME."""
+  cfg = ablation_io.train_config(base, overrides)
+  check_arm(base, cfg, name)
+  arm_dir = os.path.join(workdir, 'arms', name)
+  seed_workdir(start_dir, arm_dir)
+  return ablation_io.run(cfg, arm_dir, log)
+
+
+def machine() -> str:
+  """The devices and host, for the results' provenance line."""
+  return (f'{jax.devices()[0].device_kind} x{jax.device_count()} ({jax.default_backend()}), '
+          f'{os.cpu_count()} CPU cores, {platform.machine()}, JAX {jax.__version__}')
