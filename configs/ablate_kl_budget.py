@@ -34,7 +34,7 @@ def get_config(arg=None):
   if arg == 'tiny':
     cfg = _sibling('ablate_rank').tiny_base()
     cfg.total_steps = 8
-    cfg.eval_every = 2
+    cfg.eval_every = 4
     return cfg
   if arg:
     raise ValueError(f"configs/ablate_kl_budget.py: unknown variant {arg!r} (use ':tiny' or none)")

@@ -44,7 +44,7 @@ def tiny_base():
   cfg.data.prompts_per_step = 16
   cfg.data.eval_size = 64
   cfg.total_steps = 8
-  cfg.eval_every = 4
+  cfg.eval_every = 8            # held-out eval at the start and the end only
   cfg.checkpoint_every = 1000  # only the last step's checkpoint (a rerun resumes it)
   return cfg
 
