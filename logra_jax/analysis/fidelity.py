@@ -154,6 +154,40 @@ def fidelity_sweep(problem: Problem, ranks: Sequence[int] = (4, 16, 64, 256),
   return rows
 
 
+def layer_cosines(loss_fn, params, batch, ranks: Sequence[int], kinds: Sequence[str] = KINDS,
+                  seeds: Sequence[int] = (0, 1), dtype=jnp.float32):
+  """Reconstruction cosine of every sketched matrix, layer by layer (the paper's Fig. 5c).
+
+  ``loss_fn(variables, batch)`` is any scalar loss of a model built from `SketchDense`
+  layers (e.g. the trainer's `Transformer`). The sketch comes from one probe gradient, G from
+  a dense `jax.grad` of the sketched kernels; each rank is capped per matrix at min(K, D).
+
+  Returns:
+    A list of dicts: kind, rank (as asked), module ('q_proj', ...), layer (0 for an unstacked
+    kernel), r and k (the matrix's own R, K), cos (mean over ``seeds``), predicted.
+  """
+  kernels = select(params, target_paths(params))
+  grads = jax.jit(jax.grad(lambda k, b: loss_fn({'params': _merge(params, k)}, b)))(
+      kernels, batch)
+  sketch_fn = jax.jit(sketch_value_and_grad(loss_fn))
+  rows = []
+  for kind in kinds:
+    for rank in ranks:
+      per_seed = []
+      for seed in seeds:
+        a = make_projections(params, seed, 0, rank, kind, dtype=dtype)
+        _, s = sketch_fn(params, a, batch)
+        cos = traverse_util.flatten_dict(jax.tree.map(reconstruction_cosine, a, s, grads))
+        per_seed.append({p: np.atleast_1d(np.asarray(c)) for p, c in cos.items()})
+      for path, a_k in traverse_util.flatten_dict(a).items():
+        r, k = a_k.shape[-2:]
+        mean_L = np.mean([c[path] for c in per_seed], axis=0)
+        rows += [dict(kind=kind, rank=int(rank), module=str(path[-2]), layer=layer, r=int(r),
+                      k=int(k), cos=float(c), predicted=predicted_cosine(r, k, kind))
+                 for layer, c in enumerate(mean_L)]
+  return rows
+
+
 def format_fidelity_table(rows) -> str:
   lines = [f'{"kind":<11}{"rank":>6}{"cos":>9}{"±sem":>8}{"pred":>9}{"sqrt(r/K)":>11}{"n":>5}']
   for r in rows:
