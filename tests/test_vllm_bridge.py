@@ -17,6 +17,7 @@ import openai
 import pytest
 from safetensors.numpy import load_file
 
+from experiments import sync_bench
 from logra_jax.bridge import wire
 from logra_jax.bridge.engine import JaxEngine
 from logra_jax.bridge.server import BridgeServer
@@ -380,3 +381,28 @@ def test_completions_report_the_weight_version_that_produced_them(server, tmp_pa
   assert _version(url) == v2
   assert [c['weight_version'] for c in _completion(url)['choices']] == [v2] * 2
 
+
+
+def test_sync_bench_end_to_end_on_vllm(server, monkeypatch):
+  """experiments/sync_bench.py's measurements on this module's servers, cut to layer 0 (the
+  fixture's 16 MB update limit): pushes are timed and their bytes counted; low-rank updates
+  without an anchor leave vLLM's fp32 master at the trainer's XLA arithmetic; both servers
+  end on the checkpoint's layer-0 weights."""
+  url, weights, jax_url = server
+  monkeypatch.setattr(sync_bench, 'TOKEN', TOKEN)
+  layer0 = {n: weights[n] for n in _projection_names(weights, [0])}
+  timed = sync_bench.time_updates(url, layer0, rank=32, updates=1,
+                                  apply_s=lambda: sync_bench._vllm_status(url)['last_apply_s'])
+  assert timed['lowrank_bytes'] < 0.1 * timed['full_bytes'], timed  # 4.7% at rank 32
+  assert timed['full_apply_s'] > 0 and timed['lowrank_apply_s'] > 0, timed
+  sync_bench.reset([url, jax_url], layer0)
+  drift = sync_bench.measure_drift(
+      [url, jax_url], {'vllm': lambda trainer: sync_bench.vllm_drift(url, trainer)}, layer0,
+      rank=32, n=3)
+  sync_bench.reset([url, jax_url], layer0)
+  # Each update moves the weights by ~1e-3 relative; the trainer (kernel layout, XLA) and the
+  # generator (HF layout, numpy) round U @ A differently, which flips at most one float32 ulp
+  # (6e-8 relative) of an element per update: <= 1.8e-7 after 3. A wrong A or a lost update
+  # would leave a drift of the moved size (1.7e-3).
+  assert drift['moved_rel'] > 1e-3, drift
+  assert drift['vllm'] < 1e-6, drift
