@@ -47,6 +47,7 @@ _RANK = flags.DEFINE_integer('rank', 32, 'Rank of the measured low-rank updates.
 _UPDATES = flags.DEFINE_integer('updates', 5, 'Updates of each kind to time (medians).')
 _DRIFT = flags.DEFINE_integer('drift_updates', 100, 'Low-rank updates before the drift.')
 _VLLM = flags.DEFINE_bool('vllm', True, 'Also measure a real vLLM server (.venv-vllm).')
+_JAX = flags.DEFINE_bool('jax_engine', True, 'Also measure the JAX engine server.')
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPER = {'1.5b': 'qwen2.5-math-1.5b', '7b': 'qwen2.5-math-7b', '27b': 'qwen2.5-32b'}
 U_BYTES = {'fp32': 4, 'bf16': 2, 'fp8-e4m3': 1, 'int4': 0.5}
@@ -259,26 +260,36 @@ def main(argv):
   try:
     if _VLLM.value:
       vllm_url, proc = start_vllm(hf_dir, work)
-    engine = JaxEngine(model.config, model.params)
-    server = BridgeServer(engine, TOKEN).start()
-    measured = {'jax_engine': time_updates(server.url, weights, _RANK.value, _UPDATES.value)}
-    print_measured('JAX engine over HTTP', measured['jax_engine'], _RANK.value, _UPDATES.value)
-    urls = [server.url]
-    if _VLLM.value:
+    urls, readers, server = [], {}, None
+    timed = _UPDATES.value > 0
+    if _JAX.value:
+      engine = JaxEngine(model.config, model.params)
+      server = BridgeServer(engine, TOKEN).start()
+      if timed:
+        measured['jax_engine'] = time_updates(server.url, weights, _RANK.value, _UPDATES.value)
+        print_measured('JAX engine over HTTP', measured['jax_engine'], _RANK.value,
+                       _UPDATES.value)
+      urls.append(server.url)
+      readers['jax_engine'] = lambda trainer: _rel(trainer, engine.master_weights())
+    del model  # the servers hold the weights
+    if _VLLM.value and timed:
       measured['vllm'] = time_updates(vllm_url, weights, _RANK.value, _UPDATES.value,
                                       apply_s=lambda: _vllm_status(vllm_url)['last_apply_s'])
       print_measured('vLLM (logra engine) over HTTP', measured['vllm'], _RANK.value,
                      _UPDATES.value)
+    if vllm_url:
       urls.append(vllm_url)
-    reset(urls, weights)  # back to the checkpoint's weights everywhere, then the drift run
-    readers = {'jax_engine': lambda trainer: _rel(trainer, engine.master_weights())}
+    if timed:
+      reset(urls, weights)  # back to the checkpoint's weights everywhere, then the drift run
     if vllm_url:
       readers['vllm'] = lambda trainer: vllm_drift(vllm_url, trainer)
     drift = measure_drift(urls, readers, weights, _RANK.value, _DRIFT.value)
     print(f'drift after {drift["updates"]} low-rank updates (no anchor; the weights moved '
-          f'{drift["moved_rel"]:.2e} relative): JAX engine {drift["jax_engine"]:.2e}'
+          f'{drift["moved_rel"]:.2e} relative):'
+          + (f' JAX engine {drift["jax_engine"]:.2e}' if 'jax_engine' in drift else '')
           + (f', vLLM {drift["vllm"]:.2e}' if 'vllm' in drift else ''))
-    server.shutdown()
+    if server is not None:
+      server.shutdown()
   finally:
     if proc is not None:
       stop(proc)
