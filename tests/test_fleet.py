@@ -6,12 +6,16 @@ run is the embedded run: the same rollouts, rewards and evaluations, step for st
 loss to float32 rounding (rtol 1e-5; 1e-6 seen: the generators' weights are the trainer's to
 ~1e-9, so their behaviour log-probs differ in the last bits).
 """
+import json
+
 import jax
 import numpy as np
 import pytest
 
-from trainer_runs import (format_reward, make_config, read_metrics,  # noqa: F401
-                          run_and_resume, train, xla_cache)
+from logra_jax.train import loop, tasks
+from logra_jax.train.rollout import JaxGenerator, Rollouts
+from trainer_runs import (assert_same_run, format_reward, make_config,  # noqa: F401
+                          read_metrics, run_and_resume, train, xla_cache)
 
 
 @pytest.mark.slow
@@ -43,3 +47,112 @@ def test_fleet_run_equals_the_embedded_run_and_resumes(tmp_path):
   for x, y in zip(jax.tree.leaves(resumed.state['params']), jax.tree.leaves(full.state['params'])):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
   del embedded  # its rows are what was compared
+
+
+# ------------------------------------------------------------------ rollout.max_staleness
+
+
+def _schedule(staleness):
+  """(cfg, model config, starting params, Rollouts over a fresh data iterator, requests fn)."""
+  cfg = make_config(rollout__max_staleness=staleness)
+  task = tasks.build_task(cfg)
+  _, mc, params = tasks.build_model(cfg, task)
+  requests = lambda records, t: loop._requests(  # pylint: disable=protected-access
+      task, records, cfg, t, cfg.data.samples_per_prompt, cfg.rollout.temperature)
+  gen = JaxGenerator(mc, params, pad_id=task.pad_id, own_params=staleness > 0)
+  return cfg, mc, params, Rollouts(gen, task.train_iter, requests, staleness), requests, task
+
+
+def _moved(params, scale=0.05):
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                   for x, k in zip(leaves, keys)])
+
+
+def _same_results(a, b):
+  assert [(r.completion_token_ids, r.behaviour_logprobs, r.weight_version) for r in a] == [
+      (r.completion_token_ids, r.behaviour_logprobs, r.weight_version) for r in b]
+
+
+def test_stale_batches_come_from_the_weights_before_the_update():
+  """max_staleness=1: step 2's batch is generated (during step 1) by version 0, exactly what
+  version 0 samples for step 2's requests; a pending batch survives a JSON round trip; a
+  batch older than max_staleness is regenerated on the current weights."""
+  with jax.enable_x64(False):
+    _, mc, params0, rollouts, requests, task = _schedule(1)
+    records1, results1, m1 = rollouts.take(1)
+    assert m1 == {'staleness_max': 0.0, 'staleness_mean': 0.0, 'stale_regenerated': 0.0}
+    params1 = _moved(params0)
+    rollouts.wait()
+    rollouts.generator.update_weights(params1, 1)
+    records2, results2, m2 = rollouts.take(2)  # launches step 3's batch on version 1
+    assert m2 == {'staleness_max': 1.0, 'staleness_mean': 1.0, 'stale_regenerated': 0.0}
+    assert {r.weight_version for r in results2} == {0}
+    by = lambda p, v: JaxGenerator(mc, p, version=v, pad_id=task.pad_id)
+    _same_results(results2, by(params0, 0).generate(requests(records2, 2)))
+    on_policy = by(params1, 1).generate(requests(records2, 2))
+    assert [r.behaviour_logprobs for r in on_policy] != [r.behaviour_logprobs for r in results2]
+    # The checkpointed state: data before the pending draw, the pending completions as JSON.
+    state, data = json.loads(json.dumps(rollouts.get_state())), rollouts.data_state()
+    assert [item['step'] for item in state] == [3]
+    _, _, _, fresh, _, _ = _schedule(1)
+    fresh.data_iter.set_state(data)
+    fresh.set_state(state)
+    fresh.generator.update_weights(params1, 2)
+    rollouts.wait()
+    rollouts.generator.update_weights(params1, 2)
+    ref, got = rollouts.take(3), fresh.take(3)
+    assert ref[0] == got[0] and ref[2] == got[2] == dict(m2, stale_regenerated=0.0)
+    _same_results(ref[1], got[1])
+    # Step 4's batch was launched on version 2; at version 4 it is 2 updates old: regenerated.
+    rollouts.wait()
+    rollouts.generator.update_weights(params0, 4)
+    _, results4, m4 = rollouts.take(4)
+    assert m4 == {'staleness_max': 0.0, 'staleness_mean': 0.0, 'stale_regenerated': 1.0}
+    assert {r.weight_version for r in results4} == {4}
+    for r in (rollouts, fresh):
+      r.close()
+    del records1, results1
+
+
+def _staleness(rows):
+  return [r.get('staleness_max') for r in rows[1:]]
+
+
+@pytest.mark.slow
+def test_stale_runs_embedded_and_on_the_fleet(tmp_path):
+  """max_staleness=1: step 1 on-policy, every later step on the samples of the step before;
+  the embedded run resumes exactly; the fleet run is the embedded run (same rollouts) and
+  resumes to float32 rounding (see the module docstring)."""
+  make = lambda **kw: make_config(**{'total_steps': 4, 'eval_every': 2,
+                                     'rollout__max_staleness': 1, **kw})
+  full, full_rows, resumed, rows = run_and_resume(make, tmp_path / 'embedded', stop_at=2)
+  assert_same_run(full, full_rows, resumed, rows)
+  assert _staleness(full_rows) == [0.0, 1.0, 1.0, 1.0]
+  on_policy = read_metrics(train(make(rollout__max_staleness=0), tmp_path / 'on_policy')
+                           .workdir)
+  assert _staleness(on_policy) == [0.0] * 4
+  # The same data and step 1; then stale behaviour log-probs: the trainer/generator mismatch
+  # (KL(behaviour ‖ trainer)) is the one step's policy change instead of rounding (0 here).
+  for key in ('reward_mean', 'accuracy', 'loss', 'mismatch'):
+    assert full_rows[1][key] == on_policy[1][key], key
+  # Measured: on-policy |mismatch| <= 1.2e-9 (the sampler's and the trainer's float32
+  # log-probs of the same weights); stale 2.4e-5 .. 5.4e-5. 1e-6 lies 800x above the one and
+  # 24x below the other.
+  assert all(abs(r['mismatch']) < 1e-6 for r in on_policy[1:])
+  assert all(r['mismatch'] > 1e-6 for r in full_rows[2:])
+  fleet = lambda **kw: make(**{'rollout__engine': 'http', 'rollout__launch': 2, **kw})
+  _, fleet_rows, _, fleet_resumed = run_and_resume(fleet, tmp_path / 'fleet', stop_at=2)
+  assert _staleness(fleet_rows) == _staleness(fleet_resumed) == _staleness(full_rows)
+  for got in (fleet_rows, fleet_resumed):
+    for row, ref in zip(got, full_rows):
+      for key in ('reward_mean', 'accuracy', 'response_length', 'eval_accuracy'):
+        assert row.get(key) == ref.get(key), (row['step'], key)
+      if row['step']:
+        np.testing.assert_allclose(row['loss'], ref['loss'], rtol=1e-5)
+
+
+def test_max_staleness_is_validated():
+  with pytest.raises(ValueError, match=r'rollout\.max_staleness must be >= 0'):
+    make_config(rollout__max_staleness=-1)

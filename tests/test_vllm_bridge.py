@@ -17,6 +17,7 @@ import openai
 import pytest
 from safetensors.numpy import load_file
 
+from experiments import sync_bench
 from logra_jax.bridge import wire
 from logra_jax.bridge.engine import JaxEngine
 from logra_jax.bridge.server import BridgeServer
@@ -323,6 +324,85 @@ def test_every_route_but_health_needs_the_token(server):
     assert _req(url, '/weight_info', token=token, method='GET')[0] == 401
   # Nothing was done: not paused, and no session open (a second start would fail).
   assert _req(url, '/is_paused', method='GET') == (200, {'is_paused': False})
+  assert _req(url, '/pause')[0] == 200
   assert _req(url, '/start_weight_update')[0] == 200
   assert _req(url, '/finish_weight_update', {})[0] == 200
+  assert _req(url, '/resume')[0] == 200
 
+
+def _completion(url, max_tokens=4):
+  body = {'model': 'x', 'prompt': PROMPT, 'max_tokens': max_tokens, 'n': 2, 'seed': 3,
+          'temperature': 1.0, 'logprobs': 0, 'return_token_ids': True}
+  status, out = _req(url, '/v1/completions', dict(body, model=_model(url)))
+  assert status == 200, out
+  return out
+
+
+def _model(url):
+  return _req(url, '/v1/models', method='GET')[1]['data'][0]['id']
+
+
+def test_completions_report_the_weight_version_that_produced_them(server, tmp_path):
+  """Every choice names its version; one that overlapped a commit (queued during a pause)
+  names the older version and the range; updates need a pause and block /resume."""
+  url, weights, _ = server
+  version = _version(url)
+  out = _completion(url)
+  assert [c['weight_version'] for c in out['choices']] == [version] * 2
+  assert not any('weight_versions' in c for c in out['choices'])
+  # A full blob of layer 0's own values: the weights stay the same, the version moves on.
+  layer0 = _projection_names(weights, [0])
+  same = lambda base: _write(tmp_path, wire.encode_full({n: weights[n] for n in layer0}, base,
+                                                        int(base) + 1), f'same{base}')
+  status, out = _send(url, {'path': same(version)}, version=str(int(version) + 1))
+  assert status == 200, out
+  v1, v2 = str(int(version) + 1), str(int(version) + 2)
+  assert [c['weight_version'] for c in _completion(url)['choices']] == [v1] * 2
+  # Refused without a pause (vLLM's engine would crash), and nothing started.
+  status, out = _req(url, '/start_weight_update')
+  assert status == 400 and '/pause' in out['error']['message'], out
+  assert _req(url, '/is_paused', method='GET') == (200, {'is_paused': False})
+  assert _req(url, '/update_weight_version', {'new_version': '99'})[0] == 400
+  # A request queued while paused runs after the commit: it reports v1 and the range.
+  assert _req(url, '/pause?mode=keep')[0] == 200
+  queued = {}
+  thread = threading.Thread(target=lambda: queued.update(_completion(url)))
+  thread.start()
+  time.sleep(2)  # lets the request reach the server before the update (not a timed assert)
+  assert _req(url, '/start_weight_update')[0] == 200
+  assert _req(url, '/update_weights', {'update_info': {'path': same(v1)}})[0] == 200
+  status, out = _req(url, '/resume')
+  assert status == 400 and 'finish' in out['error']['message'], out
+  assert _req(url, '/finish_weight_update', {'weight_version': v2})[0] == 200
+  assert _req(url, '/resume')[0] == 200
+  thread.join(120)
+  assert [c['weight_version'] for c in queued['choices']] == [v1] * 2
+  assert [c['weight_versions'] for c in queued['choices']] == [[v1, v2]] * 2
+  assert _version(url) == v2
+  assert [c['weight_version'] for c in _completion(url)['choices']] == [v2] * 2
+
+
+
+def test_sync_bench_end_to_end_on_vllm(server, monkeypatch):
+  """experiments/sync_bench.py's measurements on this module's servers, cut to layer 0 (the
+  fixture's 16 MB update limit): pushes are timed and their bytes counted; low-rank updates
+  without an anchor leave vLLM's fp32 master at the trainer's XLA arithmetic; both servers
+  end on the checkpoint's layer-0 weights."""
+  url, weights, jax_url = server
+  monkeypatch.setattr(sync_bench, 'TOKEN', TOKEN)
+  layer0 = {n: weights[n] for n in _projection_names(weights, [0])}
+  timed = sync_bench.time_updates(url, layer0, rank=32, updates=1,
+                                  apply_s=lambda: sync_bench._vllm_status(url)['last_apply_s'])
+  assert timed['lowrank_bytes'] < 0.1 * timed['full_bytes'], timed  # 4.7% at rank 32
+  assert timed['full_apply_s'] > 0 and timed['lowrank_apply_s'] > 0, timed
+  sync_bench.reset([url, jax_url], layer0)
+  drift = sync_bench.measure_drift(
+      [url, jax_url], {'vllm': lambda trainer: sync_bench.vllm_drift(url, trainer)}, layer0,
+      rank=32, n=3)
+  sync_bench.reset([url, jax_url], layer0)
+  # Each update moves the weights by ~1e-3 relative; the trainer (kernel layout, XLA) and the
+  # generator (HF layout, numpy) round U @ A differently, which flips at most one float32 ulp
+  # (6e-8 relative) of an element per update: <= 1.8e-7 after 3. A wrong A or a lost update
+  # would leave a drift of the moved size (1.7e-3).
+  assert drift['moved_rel'] > 1e-3, drift
+  assert drift['vllm'] < 1e-6, drift

@@ -78,6 +78,15 @@ def completion_body(request: GenerationRequest, model: str) -> dict:
           'logprobs': 0, 'return_token_ids': True}
 
 
+def _version(choice: dict) -> int:
+  """A choice's weight version: the oldest that may have produced it (docs/bridge.md)."""
+  version = choice.get('weight_version')
+  if not isinstance(version, str) or not version.isdigit():
+    raise ValueError(f'a completion choice reports weight_version={version!r}, not a decimal '
+                     'string: is the server a logra JAX engine or vLLM with our plug-in?')
+  return int(version)
+
+
 def parse_choices(request: GenerationRequest, response: dict) -> list[GenerationResult]:
   out = []
   for j, c in enumerate(response['choices']):
@@ -86,7 +95,7 @@ def parse_choices(request: GenerationRequest, response: dict) -> list[Generation
         completion_token_ids=tuple(c['token_ids']),
         behaviour_logprobs=tuple(c['logprobs']['token_logprobs']),
         finish_reason=c['finish_reason'] if c['finish_reason'] in ('stop', 'length', 'abort')
-        else 'stop', weight_version=int(c.get('weight_version', response.get('weight_version')))))
+        else 'stop', weight_version=_version(c)))
   return out
 
 

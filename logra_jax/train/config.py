@@ -52,6 +52,9 @@ class RolloutSection:
   launch: int = 0           # local JAX-engine servers the trainer starts and stops
   full_sync_every: int = 0  # a full-weight anchor every K steps (0: only when needed)
   u_dtype: str = 'fp32'     # low-rank U on the wire: fp32 | bf16 | fp8-e4m3 | int4
+  # 0: on-policy. s > 0: step t+s's rollouts are generated during step t's update, by the
+  # weights before it (staleness s; TIS corrects it; train/rollout.py `Rollouts`)
+  max_staleness: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +212,9 @@ def _check(cfg: TrainConfig):
                      f'urls={r.urls!r}, launch={r.launch}')
   if r.launch < 0 or r.full_sync_every < 0:
     raise ValueError('config keys rollout.launch and rollout.full_sync_every must be >= 0')
+  if r.max_staleness < 0:
+    raise ValueError(f'config key rollout.max_staleness must be >= 0 (0: on-policy), '
+                     f'got {r.max_staleness}')
   if cfg.reward.workers < 0:
     raise ValueError(f'config key reward.workers must be >= 0 (0: score in-process), '
                      f'got {cfg.reward.workers}')

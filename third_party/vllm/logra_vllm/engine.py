@@ -124,6 +124,24 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     return {'version': self.version, 'pending': self.pending, 'refusal': refusal,
             'in_session': self._undo is not None, 'last_apply_s': self.last_apply_s}
 
+  def drift(self, path: str) -> dict:
+    """{'num': Σ‖W_ref − W‖², 'den': Σ‖W_ref‖², 'tensors'} of the fp32 master against the
+    reference safetensors file ``path`` (in the update dirs; the sync benchmark's drift)."""
+    from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+    ref = load_file(self._checked_path(path))
+    num = den = 0.0
+    for name, want in ref.items():
+      want = want.astype(np.float64)
+      num += float(np.sum((want - self.master[name]) ** 2))
+      den += float(np.sum(want * want))
+    return {'num': num, 'den': den, 'tensors': len(ref)}
+
+  def _checked_path(self, path: str) -> str:
+    path = os.path.realpath(path)
+    if not any(os.path.commonpath([path, d]) == d for d in self.update_dirs):
+      raise _Refused(400, f'update path {path!r} must lie in {list(self.update_dirs)}')
+    return path
+
   def update_weights(self, update_info) -> None:
     """Validates, then applies one blob; a refusal is recorded, never half-applied.
 
@@ -163,9 +181,7 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     return _Refused(413, f'update {where} is {n} bytes, above the limit of {self.max_bytes}')
 
   def _read_file(self, path: str) -> bytes:
-    path = os.path.realpath(path)
-    if not any(os.path.commonpath([path, d]) == d for d in self.update_dirs):
-      raise _Refused(400, f'update path {path!r} must lie in {list(self.update_dirs)}')
+    path = self._checked_path(path)
     try:
       size = os.path.getsize(path)
       if size > self.max_bytes:

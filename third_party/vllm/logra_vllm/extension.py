@@ -30,3 +30,7 @@ class LograWorkerExtension:
   def logra_commit(self) -> str:
     """Keeps the session's applied updates as its new_version (before /finish_weight_update)."""
     return self._logra_engine().commit()
+
+  def logra_drift(self, path: str) -> dict:
+    """{'num', 'den', 'tensors'}: this worker's fp32 master against the safetensors at path."""
+    return self._logra_engine().drift(path)

@@ -4,6 +4,20 @@
   --api-key guards /v1/* only; its RL routes /pause, /start_weight_update, /collective_rpc …
   would run for anyone). A refused request gets 401 and reaches nothing.
 * Weight versions start at "0" (vLLM starts at "default").
+* Every /v1/completions choice reports `weight_version`, the version of the weights that
+  produced it (vLLM reports none on this route; its per-token `weight_versions` come only from
+  /inference/v1/generate with --enable-scale-out). How it is guaranteed: the weights change
+  only inside an update window (/start_weight_update … /finish_weight_update), which this
+  middleware opens only while generation is paused (400 otherwise) and in which it refuses
+  /resume (400), so a forward pass always runs on the committed version's weights; a window
+  ends with a commit (a new version) or a rollback to the same weights. A completion during
+  which no commit happened was produced by the version read when it arrived, exactly. One
+  that overlapped a commit (a request frozen by /pause?mode=keep, or one queued during a
+  pause) reports the OLDER version as `weight_version` and the range as
+  `weight_versions: [old, new]`: never newer than the weights that produced a token. The
+  trainer waits for its completions before it sends an update, so its are exact. Versions
+  are set only by /finish_weight_update (/update_weight_version is refused). Streaming
+  responses pass through unchanged. One API-server process (vLLM's default) is assumed.
 * /update_weights: a refusal recorded by the `logra` engine is answered with its 4xx status and
   OpenAI-shaped JSON ``{"error": {"message", "type", "code"}, "weight_version"}``.
 * /finish_weight_update {"weight_version": V} keeps the session's updates if V is their
@@ -56,6 +70,17 @@ def _replay(body: bytes, receive):
   return replay
 
 
+def with_versions(body: dict, old: str, new: str, exact: bool) -> dict:
+  """A completions body with `weight_version` on every choice (and on the body): ``old`` (the
+  version when the request arrived); ``weight_versions: [old, new]`` where not ``exact``."""
+  extra = {'weight_version': old}
+  if not exact and old != new:
+    extra['weight_versions'] = [old, new]
+  for choice in body.get('choices') or []:
+    choice.update(extra)
+  return dict(body, **extra)
+
+
 class LograMiddleware:
   """Raw ASGI middleware (outermost: vLLM adds --middleware after its own)."""
 
@@ -67,6 +92,9 @@ class LograMiddleware:
     self._expected = f'Bearer {token}'.encode()
     self._versioned = False
     self._lock = asyncio.Lock()
+    self._version = '0'  # the committed version (kept in step by /finish_weight_update)
+    self._commits = 0    # commits so far: a completion spanning one reports a range
+    self._window = False  # between /start_weight_update and /finish_weight_update
 
   def _authorized(self, scope) -> bool:
     got = dict(scope.get('headers') or []).get(b'authorization', b'')
@@ -87,8 +115,49 @@ class LograMiddleware:
     if path == '/update_weights':
       return await self._update(engine, scope, receive, send)
     if path == '/finish_weight_update':
-      return await self._finish(engine, scope, receive, send)
+      try:
+        return await self._finish(engine, scope, receive, send)
+      finally:
+        self._window = False  # vLLM's finish ends the session whatever it answers
+    if path == '/start_weight_update':
+      return await self._start(engine, scope, receive, send)
+    if path == '/resume' and self._window:
+      return await _send_json(send, 400, _error(
+          400, 'a weight update is in progress: /finish_weight_update before /resume'))
+    if path == '/update_weight_version':
+      return await _send_json(send, 400, _error(
+          400, 'weight versions are set by /finish_weight_update {"weight_version"}'))
+    if path == '/v1/completions':
+      return await self._completions(scope, receive, send)
     return await self.app(scope, receive, send)
+
+  async def _start(self, engine, scope, receive, send):
+    """Opens an update window, only while paused (vLLM's engine crashes on an update of a
+    running model)."""
+    if not await engine.is_paused():
+      return await _send_json(send, 400, _error(
+          400, 'call /pause before /start_weight_update (an update needs paused generation)'))
+    self._window = True
+    await self.app(scope, receive, send)
+
+  async def _completions(self, scope, receive, send):
+    """vLLM's answer with each choice's weight_version (see the module docstring)."""
+    before = (self._version, self._commits)
+    messages = []
+
+    async def capture(message):
+      messages.append(message)
+    await self.app(scope, receive, capture)
+    start = messages[0] if messages else {}
+    headers = dict(start.get('headers') or [])
+    if start.get('status') != 200 or not headers.get(b'content-type', b'').startswith(
+        b'application/json'):
+      for message in messages:
+        await send(message)
+      return
+    body = json.loads(b''.join(m.get('body', b'') for m in messages[1:]))
+    body = with_versions(body, before[0], self._version, before[1] == self._commits)
+    await _send_json(send, 200, body)
 
   async def _start_at_zero(self, engine):
     if self._versioned:
@@ -97,6 +166,7 @@ class LograMiddleware:
       if not self._versioned:
         if await engine.get_weight_version() == 'default':
           await engine.update_weight_version('0')
+        self._version = await engine.get_weight_version()
         self._versioned = True
 
   async def _status(self, engine) -> dict:
@@ -127,7 +197,7 @@ class LograMiddleware:
     except (ValueError, AttributeError):
       return await _send_json(send, 400, _error(400, 'body must be a JSON object'))
     state = await self._status(engine)
-    problem = None
+    problem, committed = None, False
     if wanted is not None and state['in_session']:
       if state['refusal'] is not None or state['pending'] is None:
         problem = 'nothing to commit: ' + (state['refusal'] or {}).get(
@@ -137,6 +207,7 @@ class LograMiddleware:
                    f"{state['pending']}")
       else:
         await engine.collective_rpc('logra_commit')
+        committed = True
     if problem is not None:
       body = b'{}'  # vLLM's finish still ends the session; the engine rolls it back
     messages = []
@@ -148,6 +219,8 @@ class LograMiddleware:
       version = (await self._status(engine))['version']
       if await engine.get_weight_version() != version:
         await engine.update_weight_version(version)
+      if committed or version != self._version:
+        self._version, self._commits = version, self._commits + 1
       await engine.reset_prefix_cache()
       if problem is not None:
         return await _send_json(send, 400, _error(400, problem, weight_version=version))
