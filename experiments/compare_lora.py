@@ -58,6 +58,7 @@ def method_step(cfg, model, params, batch, prompt_len):
   o, loss_cfg = cfg.optim, methods.loss_config(cfg)
   sc = methods._step_config(cfg, prompt_len)  # pylint: disable=protected-access
   copy = lambda tree: jax.tree.map(jnp.copy, tree)
+  telemetry = np.asarray(True)  # the steps' last argument: log the realised KL, as the trainer
   if o.name == 'logra':
     opt = optimizers.logra_optimizer(o, cfg.total_steps)
     spec = optimizers.projection_spec(o, 1, hf_io.projection_name_fn(model.config))
@@ -66,17 +67,17 @@ def method_step(cfg, model, params, batch, prompt_len):
     step = steps.make_logra_step(model, loss_cfg, opt, sc, spec)
     args = (copy(params), state, batch, np.uint32(cfg.seed),
             np.uint32(optimizers.projection_step(o, 1)), np.float32(o.kl_budget_init),
-            jax.random.key(0))
+            jax.random.key(0), telemetry)
     return step, args, lambda x, out: (out[0], out[1]) + x[2:]
   opt = optimizers.adam_optimizer(o, cfg.total_steps)
   if o.name == 'lora':
     train = lora.init(params, o.lora_rank, jax.random.key(cfg.seed + 1))
     step = steps.make_dense_step(model, loss_cfg, opt, sc, lora_scale=o.lora_alpha / o.lora_rank)
-    args = (params, train, opt.init(train), batch)
+    args = (params, train, opt.init(train), batch, telemetry)
   else:
     step = steps.make_dense_step(model, loss_cfg, opt, sc)
-    args = (None, copy(params), opt.init(params), batch)
-  return step, args, lambda x, out: (x[0], out[0], out[1], x[3])
+    args = (None, copy(params), opt.init(params), batch, telemetry)
+  return step, args, lambda x, out: (x[0], out[0], out[1]) + x[3:]
 
 
 def step_costs(arms: dict, timing_steps: int, log=print) -> dict:
@@ -89,7 +90,7 @@ def step_costs(arms: dict, timing_steps: int, log=print) -> dict:
   for name, cfg in arms.items():
     step, args, feed = method_step(cfg, model, params, batch, task.prompt_len)
     start = time.perf_counter()
-    compiled = step.lower(*args).compile()
+    compiled = step.jitted.lower(*args).compile()
     mem = compiled.memory_analysis()
     out[name] = {'memory': {k: int(getattr(mem, k)) for k in MEMORY_KEYS},
                  'compile_s': time.perf_counter() - start, 'step_times_s': []}

@@ -4,7 +4,10 @@
       [--config.optim.name=adam] [--config.optim.rank=32 ...] [--config.mesh.fsdp=4 ...]
 
 Rerunning with the same workdir resumes from its latest checkpoint. Writes
-WORKDIR/run_info.json first (devices, processes, mesh, JAX version, the whole config).
+WORKDIR/run_info.json first (devices, processes, mesh, JAX version, the whole config). The
+progress bar shows the step's train accuracy and the latest held-out pass@1; the run ends with
+a summary (held-out pass@1 at start, end and best step, wall time, where metrics.jsonl, the
+TensorBoard logs and the checkpoints are, and the experiments/plot_curves.py command).
 
 Multi-host: start the same command on every host with --coordinator_address=HOST:PORT
 --num_processes=N --process_id=I (I = 0 … N−1); without them the run is one process.

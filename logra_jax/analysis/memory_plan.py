@@ -101,6 +101,11 @@ def plan_step_config(cfg: TrainConfig, devices: int, prompt_len: int,
                           o.alpha_max, o.sparse_mask)
 
 
+def telemetry_flag(sharding):
+  """The steps' traced last argument: whether this step logs the realised KL (the plan: yes)."""
+  return jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding)
+
+
 def build_logra_step(model, cfg: TrainConfig, opt, sc, sh):
   """THE place the plan builds the LoGRA step: A drawn inside it, as in the trainer."""
   spec = optimizers.projection_spec(cfg.optim, 0, hf_io.projection_name_fn(model.config))
@@ -120,7 +125,7 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   opt_sh = layout.state(opt_abs, probe_logical)
   sh = pl.step_shardings(opt_sh, params=pl.params, accum=layout.flat(probes, probe_logical))
   sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
-  fn = build_logra_step(model, cfg, opt, sc, sh)
+  fn = build_logra_step(model, cfg, opt, sc, sh).jitted  # its last argument: the telemetry flag
   rep = layout.replicated
   key = jax.eval_shape(lambda: jax.random.key(0))
   args = (with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
@@ -128,8 +133,9 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
           jax.ShapeDtypeStruct((), jnp.uint32, sharding=rep),
           jax.ShapeDtypeStruct((), jnp.uint32, sharding=rep),
           jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
-          jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep))
-  return Entry(fn, args, ('params', 'opt_state', 'batch', 'seed', 'step', 'budget', 'key'))
+          jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep), telemetry_flag(rep))
+  return Entry(fn, args, ('params', 'opt_state', 'batch', 'seed', 'step', 'budget', 'key',
+                          'telemetry'))
 
 
 def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
@@ -140,10 +146,11 @@ def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   opt_sh = layout.state(opt_abs, pl.logical)
   sh = pl.step_shardings(opt_sh, train=pl.params, accum=pl.params)
   sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
-  fn = steps.make_dense_step(model, methods.loss_config(cfg), opt, sc, sh=sh)
+  fn = steps.make_dense_step(model, methods.loss_config(cfg), opt, sc, sh=sh).jitted
   args = (None, with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
-          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch))
-  return Entry(fn, args, ('unused', 'params', 'opt_state', 'batch'))
+          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch),
+          telemetry_flag(layout.replicated))
+  return Entry(fn, args, ('unused', 'params', 'opt_state', 'batch', 'telemetry'))
 
 
 def entry(model_key: str, method: str, devices: int, micro_batches: int = 0) -> Entry:

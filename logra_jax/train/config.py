@@ -109,6 +109,8 @@ class OptimSection:
   kl_budget_steps: int = 300
   alpha_max: float = 3.0    # 1.0 makes the budget a ceiling: steps are never enlarged
   kl_sequences: int = 8     # sequences of the batch used by the KL probe
+  telemetry_every: int = 1  # realised-KL telemetry (an extra forward) every K steps (0: never);
+  #   with kl_control=False and 0 the step runs no KL probe at all (no JVP, no extra forward)
   mismatch_ema: float = 0.3
   # Dense Adam / LoRA baselines
   b1: float = 0.9
@@ -202,6 +204,9 @@ def _check(cfg: TrainConfig):
   if cfg.optim.kl_budget_final < 0:
     raise ValueError(f'config key optim.kl_budget_final must be >= 0, '
                      f'got {cfg.optim.kl_budget_final}')
+  if cfg.optim.telemetry_every < 0:
+    raise ValueError(f'config key optim.telemetry_every must be >= 0 (0: never), '
+                     f'got {cfg.optim.telemetry_every}')
   if cfg.model.vocab_chunk < 0:
     raise ValueError(f'config key model.vocab_chunk must be >= 0 (0: off), '
                      f'got {cfg.model.vocab_chunk}')

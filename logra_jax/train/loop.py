@@ -5,6 +5,7 @@ evaluation of the starting policy. Everything that decides step t's numbers — 
 optimizer state, data-iterator state, advantage baseline, mismatch EMA, and the seeds (derived
 from (seed, t)) — is in the checkpoint, so a resumed run repeats an uninterrupted one exactly.
 """
+import os
 import time
 
 import jax
@@ -16,12 +17,12 @@ from logra_jax import parallel, sketch
 from logra_jax.rl.advantages import get_advantage_fn
 from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
-from logra_jax.train import steps, tasks
+from logra_jax.train import steps, summary, tasks
 from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.fleet import FleetGenerator
 from logra_jax.train.config import TrainConfig
 from logra_jax.train.methods import get_method
-from logra_jax.train.metrics import MetricWriter
+from logra_jax.train.metrics import MetricWriter, read_metrics
 from logra_jax.train.rollout import JaxGenerator, Rollouts, assemble_batch
 
 TIMING_KEYS = ('step_time_s', 'tokens_per_s', 'generate_s', 'update_s', 'sync_s')
@@ -73,6 +74,14 @@ def evaluate(task, generator, scorer, cfg: TrainConfig, t: int) -> dict:
   return {'eval_accuracy': correct.mean(), 'eval_pass_at_k': correct.any(1).mean()}
 
 
+def progress_postfix(metrics: dict, last_eval: dict) -> dict:
+  """The progress bar's fields: this step's train accuracy and the LATEST held-out pass@1."""
+  post = {'acc': f"{metrics['accuracy']:.2f}"}
+  if last_eval:
+    post['eval'] = f"{last_eval['eval_accuracy']:.2f}"
+  return post
+
+
 def rollout_metrics(results, scores, max_new_tokens) -> dict:
   lengths = np.array([len(r.completion_token_ids) for r in results])
   return {'reward_mean': scores.rewards.mean(), 'accuracy': scores.correct.mean(),
@@ -85,6 +94,7 @@ class Trainer:
   """Owns the run: task, model, method, generator, scorer, checkpoints, metric writer."""
 
   def __init__(self, cfg: TrainConfig, workdir: str, log=print, layout=None):
+    self.started = time.perf_counter()  # the summary's wall time: construction to the end
     self.cfg, self.workdir, self.log = cfg, workdir, log
     self.layout = layout or parallel.layout_from_config(cfg.mesh)
     self.task = tasks.build_task(cfg)
@@ -183,22 +193,41 @@ class Trainer:
     return metrics
 
   def run(self, progress: bool = True):
-    cfg = self.cfg
+    cfg, first = self.cfg, self.step
+    last_eval = self._logged_eval()
     if self.step == 0:
-      self.writer.write(0, evaluate(self.task, self.generator, self.scorer, cfg, 0))
+      last_eval = evaluate(self.task, self.generator, self.scorer, cfg, 0)
+      self.writer.write(0, last_eval)
     bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not progress, desc='rl')
     while self.step < cfg.total_steps:
       metrics = self.train_step()
       t = self.step
       if t % cfg.eval_every == 0 or t == cfg.total_steps:
-        metrics.update(evaluate(self.task, self.generator, self.scorer, cfg, t))
+        last_eval = evaluate(self.task, self.generator, self.scorer, cfg, t)
+        metrics.update(last_eval)
       self.writer.write(t, metrics)
       if t % cfg.checkpoint_every == 0 or t == cfg.total_steps:
         self.save()
       bar.update(1)
-      bar.set_postfix(acc=f"{metrics['accuracy']:.2f}",
-                      eval=f"{metrics.get('eval_accuracy', float('nan')):.2f}")
+      bar.set_postfix(progress_postfix(metrics, last_eval))
     bar.close()
+    self.log_summary(time.perf_counter() - self.started, self.step - first)
+
+  def _logged_eval(self) -> dict:
+    """The latest held-out evaluation in the metrics file (a resumed run's bar shows it)."""
+    if not (self.writer.active and os.path.exists(self.writer.path)):
+      return {}
+    points = summary.eval_points(read_metrics(self.workdir))
+    return {'eval_accuracy': points[-1][1]} if points else {}
+
+  def log_summary(self, wall_s: float, steps_run: int):
+    """The end-of-run summary (`logra_jax.train.summary`), from process 0's metrics file."""
+    if not self.writer.active:
+      return
+    tb = os.path.join(self.workdir, 'tensorboard') if self.writer.tb is not None else None
+    lines = summary.summary_lines(read_metrics(self.workdir), self.workdir, wall_s, steps_run,
+                                  self.ckpt.directory, tb)
+    self.log('\n'.join(lines))
 
   def close(self):
     self.rollouts.close()

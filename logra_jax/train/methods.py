@@ -37,7 +37,8 @@ def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
   o = cfg.optim
   return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, o.kl_control,
                           o.kl_probe, o.alpha_max, o.sparse_mask,
-                          return_update=cfg.rollout.engine == 'http')
+                          return_update=cfg.rollout.engine == 'http',
+                          telemetry_every=o.telemetry_every)
 
 
 @dataclasses.dataclass
@@ -128,7 +129,8 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
     a_step = optimizers.projection_step(o, t)
     out = get(prompt_len, spec_at(t))(state['params'], state['opt_state'], pl.put_batch(batch),
                                       np.uint32(cfg.seed), np.uint32(a_step),
-                                      np.float32(budget), key)
+                                      np.float32(budget), key,
+                                      telemetry=steps.telemetry_at(o.telemetry_every, t))
     params, opt_state, metrics = out[:3]
     if len(out) == 4:
       last[0] = (out[3], cfg.seed, a_step, o.projection)
@@ -152,9 +154,10 @@ def adam_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = Non
     return {'params': params, 'opt_state': opt_init(params)}
 
   def step(state, batch, prompt_len, t, budget):
-    del t, budget
-    params, opt_state, metrics = get(prompt_len)(None, state['params'], state['opt_state'],
-                                                 pl.put_batch(batch))
+    del budget
+    params, opt_state, metrics = get(prompt_len)(
+        None, state['params'], state['opt_state'], pl.put_batch(batch),
+        telemetry=steps.telemetry_at(cfg.optim.telemetry_every, t))
     return {'params': params, 'opt_state': opt_state}, metrics
 
   return Method(init, step, lambda s: s['params'], pl)
@@ -185,9 +188,10 @@ def lora_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = Non
     return {'params': parallel.put(params, pl.params), 'lora': ab, 'opt_state': opt_state}
 
   def step(state, batch, prompt_len, t, budget):
-    del t, budget
+    del budget
     ab, opt_state, metrics = get(prompt_len)(state['params'], state['lora'],
-                                             state['opt_state'], pl.put_batch(batch))
+                                             state['opt_state'], pl.put_batch(batch),
+                                             telemetry=steps.telemetry_at(o.telemetry_every, t))
     return dict(state, lora=ab, opt_state=opt_state), metrics
 
   return Method(init, step, lambda s: merged(s['params'], s['lora']), pl)

@@ -217,6 +217,56 @@ class StepConfig(NamedTuple):
   alpha_max: float
   sparse_mask: float
   return_update: bool = False  # also return α·U (zeros when skipped), for the generator sync
+  # The realised-KL telemetry runs at steps where the caller passes telemetry=True; 0: never
+  # compiled (and with kl_control=False, no KL probe at all: no JVP, no extra forward).
+  telemetry_every: int = 1
+
+
+def telemetry_at(telemetry_every: int, t: int) -> bool:
+  """Whether step t (1-based) logs the realised KL: every `telemetry_every` steps (0: never)."""
+  return telemetry_every > 0 and t % telemetry_every == 0
+
+
+def _nan_like(fn):
+  """NaNs shaped like ``fn()``'s outputs: the branch of a `lax.cond` that skips ``fn``."""
+  return lambda: jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(fn))
+
+
+def _when(flag, fn):
+  """``fn()`` where the traced ``flag`` holds, else NaNs (one compiled program, one branch run)."""
+  return jax.lax.cond(flag, fn, _nan_like(fn))
+
+
+def _probe_telemetry(sc, probe, realized, probed, telemetry):
+  """(q, realised KL) after the update: the probe only where the step size or telemetry needs it.
+
+  ``probe()`` -> (forward at the probes, q); ``probed``: its result (kl_control) or None;
+  ``realized(base)``: KL(π_old ‖ π_new) at the probe rows, the updated params closed over.
+  kl_control=False with telemetry_every=0 traces no probe at all: no JVP, no extra forward.
+  """
+  if probed is not None:
+    base, q = probed
+    return q, _when(telemetry, lambda: realized(base))
+  if not sc.telemetry_every:
+    nan = jnp.float32(jnp.nan)
+    return nan, nan
+  return _when(telemetry, lambda: (lambda base, q: (q, realized(base)))(*probe()))
+
+
+def _telemetry_metric(sc, telemetry):
+  """1.0 where this step computed the realised KL (the `kl_telemetry` metric), else 0.0."""
+  on = jnp.asarray(telemetry) if sc.telemetry_every else jnp.asarray(False)
+  return on.astype(jnp.float32)
+
+
+def _with_telemetry_flag(jitted):
+  """``jitted(*args, flag)`` as ``call(*args, telemetry=True)`` (the trainer passes
+  `telemetry_at(...)`; a direct call logs the realised KL as before)."""
+  @functools.wraps(jitted)
+  def call(*args, telemetry=True):
+    return jitted(*args, np.asarray(bool(telemetry)))
+  call.jitted = jitted
+  return call
 
 
 def _fp32_compute(model):
@@ -251,7 +301,7 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
                     sc: StepConfig, sh: Optional[StepShardings] = None):
   """The LoGRA step on given projections (unjitted); `make_logra_step` draws them itself.
 
-  ``update(params, opt_state, batch, projections, budget, key)``: sketches → optax → α from
+  ``update(params, opt_state, batch, projections, budget, key, telemetry=True)``: sketches → optax → α from
   predicted KL → kernel += α·AᵀU. Outputs as ``make_logra_step``'s step.
   """
   linear = model.clone(sketch_mode='linear')
@@ -259,7 +309,7 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   temp = loss_cfg.temperature
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
 
-  def update(params, opt_state, batch, projections, budget, key):
+  def update(params, opt_state, batch, projections, budget, key, telemetry=True):
     grad_fn = lambda mb, w: sketch.sketch_value_and_grad(loss, has_aux=True)(
         params, projections, mb, w)
     probes = _constrain(sketch.zero_probes(params, projections), sh and sh.accum)
@@ -273,17 +323,21 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     kl_mask = kl_batch['target_mask']
     out_fn = lambda p, m=linear: completion.forward(
         m, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len)
-    base, q = _kl_probe(model, out_fn, fd_linear, probes, u, sc.kl_probe, budget, temp,
-                        kl_mask)
-    alpha = sketch.step_scale(q, budget, sc.alpha_max) if sc.kl_control else jnp.ones_like(q)
+    probe = lambda: _kl_probe(model, out_fn, fd_linear, probes, u, sc.kl_probe, budget, temp,
+                              kl_mask)
+    probed = probe() if sc.kl_control else None
+    alpha = sketch.step_scale(probed[1], budget, sc.alpha_max) if probed else jnp.ones_like(budget)
     ok = _all_finite(s) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
     new_params = jax.lax.cond(
         ok, lambda: sketch.apply_sketch_updates(params, u, projections, alpha), lambda: params)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
-    new = completion.forward(model, {'params': new_params}, kl_batch, sc.prompt_len)
+    realized = lambda base: completion.mean_kl(
+        model, base, completion.forward(model, {'params': new_params}, kl_batch, sc.prompt_len),
+        temp, kl_mask)
+    q, realized_kl = _probe_telemetry(sc, probe, realized, probed, telemetry)
     metrics.update(
         predicted_kl=alpha**2 * q, kl_coefficient=q, alpha=alpha, kl_budget=budget,
-        realized_kl=completion.mean_kl(model, base, new, temp, kl_mask),
+        realized_kl=realized_kl, kl_telemetry=_telemetry_metric(sc, telemetry),
         sketch_norm=optax.global_norm(s), skipped=1.0 - ok.astype(jnp.float32))
     if not sc.return_update:
       return new_params, new_opt_state, metrics
@@ -297,7 +351,7 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
                     proj: ProjectionSpec, sh: Optional[StepShardings] = None):
   """The jitted LoGRA step, drawing its projections A on device from (seed, step).
 
-  Returns ``step(params, opt_state, batch, seed, step, budget, key)`` →
+  Returns ``step(params, opt_state, batch, seed, step, budget, key, telemetry=True)`` →
   ``(params, opt_state, metrics)`` (and α·U, the applied update's factor, when
   ``sc.return_update``); seed and step are uint32 scalars in [0, 2**32) (pass the
   projection step: 0 for fixed A), traced, so one compile serves every step; A is
@@ -311,18 +365,18 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     raise TypeError(f'make_logra_step: proj must be a steps.ProjectionSpec, got {proj!r}')
   update = logra_update_fn(model, loss_cfg, opt, sc, sh)
 
-  def step(params, opt_state, batch, seed, proj_step, budget, key):
+  def step(params, opt_state, batch, seed, proj_step, budget, key, telemetry):
     a = draw_projections(params, seed, proj_step, proj)
     a = _constrain(a, sh and jax.tree.map(lambda _: sh.replicated, a))
-    return update(params, opt_state, batch, a, budget, key)
+    return update(params, opt_state, batch, a, budget, key, telemetry)
 
   if sh is None:
-    return jax.jit(step, donate_argnums=(0, 1))
+    return _with_telemetry_flag(jax.jit(step, donate_argnums=(0, 1)))
   r = sh.replicated
   outs = (sh.params, sh.opt_state, r) + ((sh.accum,) if sc.return_update else ())
-  return jax.jit(step, donate_argnums=(0, 1),
-                 in_shardings=(sh.params, sh.opt_state, sh.batch, r, r, r, r),
-                 out_shardings=outs)
+  return _with_telemetry_flag(jax.jit(step, donate_argnums=(0, 1),
+                                      in_shardings=(sh.params, sh.opt_state, sh.batch) + (r,) * 5,
+                                      out_shardings=outs))
 
 
 def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: StepConfig,
@@ -343,7 +397,7 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
     variables = functools.partial(lora.variables, scale=lora_scale)
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
 
-  def step(params, train, opt_state, batch):
+  def step(params, train, opt_state, batch, telemetry):
     grad_fn = lambda mb, w: jax.value_and_grad(
         lambda t: loss(variables(params, t), mb, w), has_aux=True)(train)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(jnp.float32, x.dtype)),
@@ -358,13 +412,17 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
     kl_batch = _kl_batch(batch, sc.kl_sequences, sh)
     forward = lambda t: completion.forward(model, variables(params, t), kl_batch,
                                            sc.prompt_len)
-    metrics.update(realized_kl=completion.mean_kl(model, forward(train), forward(new_train), temp,
-                                                  kl_batch['target_mask']),
+    realized = lambda: completion.mean_kl(model, forward(train), forward(new_train), temp,
+                                          kl_batch['target_mask'])
+    realized_kl = _when(telemetry, realized) if sc.telemetry_every else jnp.float32(jnp.nan)
+    metrics.update(realized_kl=realized_kl,
+                   kl_telemetry=_telemetry_metric(sc, telemetry),
                    sketch_norm=optax.global_norm(g), skipped=1.0 - ok.astype(jnp.float32))
     return new_train, new_opt_state, metrics
 
   if sh is None:
-    return jax.jit(step, donate_argnums=(1, 2))
-  return jax.jit(step, donate_argnums=(1, 2),
-                 in_shardings=(sh.params, sh.train, sh.opt_state, sh.batch),
-                 out_shardings=(sh.train, sh.opt_state, sh.replicated))
+    return _with_telemetry_flag(jax.jit(step, donate_argnums=(1, 2)))
+  return _with_telemetry_flag(jax.jit(
+      step, donate_argnums=(1, 2),
+      in_shardings=(sh.params, sh.train, sh.opt_state, sh.batch, sh.replicated),
+      out_shardings=(sh.train, sh.opt_state, sh.replicated)))
