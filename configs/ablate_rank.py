@@ -17,7 +17,9 @@ Rademacher 68.31%, refreshed Gaussian 67.42%; mean reconstruction cosine ~0.046 
 
 `:tiny` (this CPU, a few minutes): configs/tiny.py's addition task and warm start, ranks 4 and
 64 of d_in 128 (256 for down_proj), a handful of RL steps per arm, reconstruction cosines at
-ranks 4/16/64/128 on the shared starting policy.
+ranks 4/16/64/128 on the shared starting policy. What it should reach there: the mean cosine
+rising with rank on the theory line sqrt(R/(R+K)) (sqrt(R/K) orthogonal; measured 0.17 -> 0.65
+Rademacher, 0.17 -> 0.87 orthogonal at R = 4 -> 128); pass@1 after so few steps is within noise.
 """
 import importlib.util
 import os

@@ -44,7 +44,8 @@ def _step(model, kl_control, telemetry_every):
                         telemetry_every=telemetry_every)
   opt = optimizers.logra_optimizer(config_lib.OptimSection(), total_steps=10)
   loss_cfg = rl_losses.LossConfig('reinforce_tis', (('cap', 2.0),))
-  return steps.make_logra_step(model, loss_cfg, opt, sc), opt
+  # A drawn in the step: seed 0, step 1, rank 2, the names `setup`'s numpy A was drawn under.
+  return steps.make_logra_step(model, loss_cfg, opt, sc, steps.ProjectionSpec(2)), opt
 
 
 def _subjaxprs(eqn):
@@ -83,7 +84,8 @@ def forward_passes(jaxpr, in_cond=False):
 def _args(setup, opt):
   _, params, batch, a = setup
   state = opt.init(sketch.zero_probes(params, a))
-  return jax.tree.map(jnp.array, params), state, batch, a, BUDGET, jax.random.key(0)
+  return (jax.tree.map(jnp.array, params), state, batch, np.uint32(0), np.uint32(1), BUDGET,
+          jax.random.key(0))
 
 
 def test_no_probe_without_kl_control_or_telemetry(setup):

@@ -121,7 +121,7 @@ def test_step_with_device_projections_equals_the_step_on_host_projections(tiny):
     assert float(dev_out[2]['skipped']) == 0
     assert_bitwise_equal(dev_out, host_out)
     dev, host = dev_out[:2], host_out[:2]
-  assert device_step._cache_size() == 1  # pylint: disable=protected-access
+  assert device_step.jitted._cache_size() == 1  # pylint: disable=protected-access
   # The step holds the attention A (L, 4, K) in bfloat16 and the MLP A (L, 3, K) in float32.
   types = array_types(device_step, params, init, batch, np.uint32(SEED), np.uint32(3),
                       np.float32(1e-4), jax.random.key(0))
