@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from logra_jax import sketch
+from logra_jax.analysis import hlo
 from logra_jax.models import attention as attn
 from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, _causal_mask, init_cache, init_params
@@ -308,24 +309,6 @@ def test_chunked_finite_difference_probe_equals_the_dense_one(step_setup):
 
 # ---------------------------------------------------------------------- the memory claims
 
-def traced_shapes(fn, *args):
-  """Every intermediate array (shape, dtype) of fn's jaxpr, sub-jaxprs (scan, checkpoint,
-  jit, custom rules) included."""
-  out = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      out.extend((v.aval.shape, v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, 'shape'))
-      for p in eqn.params.values():
-        for sub in (p if isinstance(p, (list, tuple)) else (p,)):
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            walk(sub.jaxpr)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            walk(sub)
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return out
-
-
 def temp_bytes(fn, *args):
   return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -346,10 +329,10 @@ def test_blockwise_attention_never_forms_an_l_by_l_array():
     dense = lambda q, k, v: jnp.sum(attn.dense_attention(q, k, v, _causal_mask(mask)))
     grad = lambda f: jax.grad(f, (0, 1, 2))
     big = lambda shapes: [s for s, _ in shapes if len(s) >= 2 and s[-2:] == (LONG, LONG)]
-    assert big(traced_shapes(dense, q, k, v))  # the check sees the dense scores
-    assert not big(traced_shapes(blocked, q, k, v))
-    assert not big(traced_shapes(grad(blocked), q, k, v))
-    largest = max(np.prod(s) for s, _ in traced_shapes(grad(blocked), q, k, v))
+    assert big(hlo.traced_shapes(dense, q, k, v))  # the check sees the dense scores
+    assert not big(hlo.traced_shapes(blocked, q, k, v))
+    assert not big(hlo.traced_shapes(grad(blocked), q, k, v))
+    largest = max(np.prod(s) for s, _ in hlo.traced_shapes(grad(blocked), q, k, v))
     assert largest <= 2 * 512 * LONG  # (1, 1, 2, 512, 512) blocks, (1, 4096, ...) arrays
     # Compiled forward + backward temp bytes. The backward of one query block keeps its
     # (B, H, Q, L) scores and probabilities (Q/L = 1/8 of the L×L scores each): below a third
@@ -378,8 +361,8 @@ def test_chunked_loss_never_forms_a_tokens_by_vocab_array():
 
     grad = lambda f: jax.grad(f, (0, 1))
     full = lambda shapes: [s for s, _ in shapes if np.prod(s) >= m * vocab]
-    assert full(traced_shapes(grad(dense), h, w))
-    assert not full(traced_shapes(grad(chunked), h, w))
+    assert full(hlo.traced_shapes(grad(dense), h, w))
+    assert not full(hlo.traced_shapes(grad(chunked), h, w))
     # Compiled forward + backward temp bytes: the chunked path needs less than ONE (M, V)
     # fp32 array (a few (M, C) chunk arrays: measured 5.3 MB vs 8.4 MB), the dense one ~4.
     logits_bytes = m * vocab * 4

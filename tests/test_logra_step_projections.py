@@ -14,6 +14,7 @@ import pytest
 from flax import traverse_util
 
 from logra_jax import sketch
+from logra_jax.analysis import hlo
 from logra_jax.models import hf_io
 from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, init_params
@@ -57,23 +58,6 @@ def assert_bitwise_equal(got, want):
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert x.dtype == y.dtype
     np.testing.assert_array_equal(bits(x), bits(y))
-
-
-def array_types(fn, *args):
-  """{(shape, dtype)} of every array in fn's jaxpr, sub-jaxprs included."""
-  out = set()
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      out.update((v.aval.shape, v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, 'shape'))
-      for p in eqn.params.values():
-        for sub in (p if isinstance(p, (list, tuple)) else (p,)):
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            walk(sub.jaxpr)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            walk(sub)
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return out
 
 
 @pytest.mark.parametrize('refresh', [True, False])
@@ -123,8 +107,8 @@ def test_step_with_device_projections_equals_the_step_on_host_projections(tiny):
     dev, host = dev_out[:2], host_out[:2]
   assert device_step.jitted._cache_size() == 1  # pylint: disable=protected-access
   # The step holds the attention A (L, 4, K) in bfloat16 and the MLP A (L, 3, K) in float32.
-  types = array_types(device_step, params, init, batch, np.uint32(SEED), np.uint32(3),
-                      np.float32(1e-4), jax.random.key(0))
+  types = set(hlo.traced_shapes(device_step, params, init, batch, np.uint32(SEED),
+                                np.uint32(3), np.float32(1e-4), jax.random.key(0)))
   for path, x in traverse_util.flatten_dict(a).items():
     dtype = np.dtype(jnp.bfloat16 if x.shape[-2] == 4 else jnp.float32)
     assert (x.shape, dtype) in types, (path, x.shape, dtype)

@@ -50,6 +50,19 @@ def _jaxprs_of(params):
         yield name, j
 
 
+def traced_shapes(fn: Callable, *args):
+  """(shape, dtype) of every equation output of ``fn(*args)``'s jaxpr, sub-jaxprs included."""
+  out = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      out.extend((v.aval.shape, v.aval.dtype) for v in eqn.outvars if hasattr(v.aval, 'shape'))
+      for _, sub in _jaxprs_of(eqn.params):
+        walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
 def _walk(jaxpr, in_dep, out, where, record):
   """Propagates dependence through `jaxpr` given its invars' flags; returns the outvars'."""
   dep = dict(zip(jaxpr.invars, in_dep))
