@@ -48,6 +48,7 @@ def paper_math_config(preset: str, micro_batches: int, arg=None):
   cfg.model.preset = preset  # the shape, for memory planning; the run loads model.path
   cfg.model.path = ''        # required: --config.model.path=/path/to/hf_dir
   cfg.model.dtype = 'bfloat16'
+  cfg.model.param_dtype = 'bfloat16'  # LoGRA stores bf16 weights (the :adam variant: fp32)
   cfg.model.remat_policy = 'full'
   cfg.model.attention = 'blockwise'  # no (L, L) scores per head at 4,096 tokens
   cfg.model.attention_block = 512
@@ -105,6 +106,7 @@ def paper_math_config(preset: str, micro_batches: int, arg=None):
   cfg.optim.adam_learning_rate = 1e-6  # the dense baseline's AdamW (docs/method.md §7)
   if arg == 'adam':
     cfg.optim.name = 'adam'
+    cfg.model.param_dtype = 'float32'  # fp32 master weights, bf16 compute
     cfg.optim.lr_schedule = 'cosine'
     cfg.optim.warmup_steps = 9
     cfg.optim.b1 = 0.9
