@@ -18,7 +18,7 @@ The last stdout line is one JSON object: {"1.5b": {"dense_peak_gib": x, "logra_p
 
   python experiments/memory_plan.py                 # 1.5b, 7b, 27b (docs/memory.md)
   python experiments/memory_plan.py --models=7b
-  python experiments/memory_plan.py --only=7b_logra_4dev --dump_to=/tmp/plan_dump  # one row
+  python experiments/memory_plan.py --only=7b_logra_4dev --dump_to=DIR  # one row
   python experiments/memory_plan.py --tiny          # the tiny model, same code (tests)
 """
 import json
