@@ -73,9 +73,9 @@ def select_rows(rows, only):
 
 def compile_row(model, method, devices) -> dict:
   """One row compiled in this process: memory per device, argument parts, compile time."""
+  import jax  # pylint: disable=g-import-not-at-top
   from logra_jax.analysis import memory_plan as mp  # pylint: disable=g-import-not-at-top
   start = time.time()
-  import jax  # pylint: disable=g-import-not-at-top
   e = mp.entry(model, method, devices)
   with jax.set_mesh(e.mesh):  # as experiments/train.py traces the trainer's steps
     compiled = e.fn.lower(*e.args).compile()
