@@ -48,6 +48,7 @@ def get_config():
   cfg.model.preset = 'qwen2.5-32b'  # stand-in shape of the paper's 27B (memory planning only)
   cfg.model.path = ''               # required: --config.model.path=/path/to/hf_dir
   cfg.model.dtype = 'bfloat16'
+  cfg.model.param_dtype = 'bfloat16'  # bf16 weights (docs/memory.md plans the same)
   cfg.model.remat_policy = 'full'
   cfg.model.attention = 'blockwise'  # no (L, L) scores per head at 16,384 tokens
   cfg.model.attention_block = 512

@@ -24,12 +24,13 @@ Context <= 4,096 tokens (the model's max_position_embeddings): 3,584 new tokens 
 bucket of <= 512. LoGRA: rank 256 on every q/k/v/o/gate/up/down kernel, Rademacher A refreshed
 every step, RowAdam (b2 0.95), the authors' relative step (update_ratio 6e-5, lr 1.0), alpha
 from the predicted KL (JVP on 8 sequences) with the budget cosine-annealed 2e-4 -> 2e-5 over
-300 steps minus the mismatch EMA (0.3), alpha_max 3. bf16 compute with fp32 master weights,
-full rematerialisation, 16 micro-batches of 8 sequences. Memory: blockwise attention
-(blocks of 512), losses and KL probes over vocabulary chunks of 8,192, params and optimizer
-state FSDP over every device (mesh.fsdp = -1); the per-device plan is docs/memory.md
-(python experiments/memory_plan.py). Eval: 4 samples per MATH-500 problem
-at T = 1.0 (Pass@1 = mean correctness of the 2,000 answers, Pass@4) every 20 steps.
+300 steps minus the mismatch EMA (0.3), alpha_max 3. bf16 compute and bf16 weights
+(model.param_dtype; the :adam baseline keeps fp32 master weights; docs/memory.md on bf16
+rounding of small updates), full rematerialisation, 16 micro-batches of 8 sequences.
+Memory: blockwise attention (blocks of 512), losses and KL probes over vocabulary chunks of
+8,192, params and optimizer state FSDP over every device (mesh.fsdp = -1); the per-device
+plan is docs/memory.md (python experiments/memory_plan.py). Eval: 4 samples per MATH-500
+problem at T = 1.0 (Pass@1 = mean correctness of the 2,000 answers, Pass@4) every 20 steps.
 
 Should reach (docs/method.md §6, Table 1, mean of 3 seeds): peak MATH-500 Pass@1 67.87%, Pass@4
 82.47% (dense Adam: 63.77% / 80.33%); training memory avg 7.18 / peak 8.66 GiB per GPU (dense
@@ -48,6 +49,7 @@ def paper_math_config(preset: str, micro_batches: int, arg=None):
   cfg.model.preset = preset  # the shape, for memory planning; the run loads model.path
   cfg.model.path = ''        # required: --config.model.path=/path/to/hf_dir
   cfg.model.dtype = 'bfloat16'
+  cfg.model.param_dtype = 'bfloat16'  # bf16 weights, as docs/memory.md plans (:adam: fp32)
   cfg.model.remat_policy = 'full'
   cfg.model.attention = 'blockwise'  # no (L, L) scores per head at 4,096 tokens
   cfg.model.attention_block = 512
@@ -105,6 +107,7 @@ def paper_math_config(preset: str, micro_batches: int, arg=None):
   cfg.optim.adam_learning_rate = 1e-6  # the dense baseline's AdamW (docs/method.md §7)
   if arg == 'adam':
     cfg.optim.name = 'adam'
+    cfg.model.param_dtype = 'float32'  # fp32 master weights, bf16 compute
     cfg.optim.lr_schedule = 'cosine'
     cfg.optim.warmup_steps = 9
     cfg.optim.b1 = 0.9

@@ -18,6 +18,7 @@ The last stdout line is one JSON object: {"1.5b": {"dense_peak_gib": x, "logra_p
 
   python experiments/memory_plan.py                 # 1.5b, 7b, 27b (docs/memory.md)
   python experiments/memory_plan.py --models=7b
+  python experiments/memory_plan.py --only=7b_logra_4dev --dump_to=DIR  # one row
   python experiments/memory_plan.py --tiny          # the tiny model, same code (tests)
 """
 import json
@@ -32,6 +33,10 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_list('models', ['1.5b', '7b', '27b'], 'Model shapes to plan: 1.5b, 7b, 27b.')
 flags.DEFINE_bool('tiny', False, 'Plan the tiny model instead (fast: the test suite).')
+flags.DEFINE_list('only', None, "Compile only these rows, named MODEL_METHOD_NDEV, e.g. "
+                  "'7b_logra_4dev' (one compile per try).")
+flags.DEFINE_string('dump_to', None, "XLA's dumps (HLO, buffer assignment, "
+                    '*memory-usage-report.txt) of every compiled row under this directory.')
 flags.DEFINE_string('worker', None, 'Internal: compile these rows in this process.')
 
 GIB = 2**30
@@ -50,12 +55,30 @@ def rows_for(models):
   return [(m, method, n, key) for m in models for method, n, key in ROWS + EXTRA.get(m, ())]
 
 
+def row_name(row) -> str:
+  """'7b_logra_4dev': the --only name of a plan row."""
+  return f'{row[0]}_{row[1]}_{row[2]}dev'
+
+
+def select_rows(rows, only):
+  """The rows named in ``only`` (all when None); an unknown name is an error naming it."""
+  if not only:
+    return rows
+  names = {row_name(r): r for r in rows}
+  unknown = [n for n in only if n not in names]
+  if unknown:
+    raise app.UsageError(f'--only: unknown row(s) {unknown}; known: {sorted(names)}')
+  return [names[n] for n in only]
+
+
 def compile_row(model, method, devices) -> dict:
   """One row compiled in this process: memory per device, argument parts, compile time."""
+  import jax  # pylint: disable=g-import-not-at-top
   from logra_jax.analysis import memory_plan as mp  # pylint: disable=g-import-not-at-top
   start = time.time()
   e = mp.entry(model, method, devices)
-  compiled = e.fn.lower(*e.args).compile()
+  with jax.set_mesh(e.mesh):  # as experiments/train.py traces the trainer's steps
+    compiled = e.fn.lower(*e.args).compile()
   named = [(n, a) for n, a in zip(e.names, e.args) if a is not None]
   return dict(model=model, method=method, devices=devices, **mp.memory(compiled),
               parts={n: mp.bytes_per_device(a) for n, a in named},
@@ -75,7 +98,8 @@ def run_workers(rows) -> list:
   out = []
   for n in sorted({r[2] for r in rows}):
     spec = ','.join(f'{m}:{meth}:{d}' for m, meth, d, _ in rows if d == n)
-    env = dict(os.environ, XLA_FLAGS=XLA_FLAGS.format(n=n), JAX_PLATFORMS='cpu',
+    xla = XLA_FLAGS.format(n=n) + (f' --xla_dump_to={FLAGS.dump_to}' if FLAGS.dump_to else '')
+    env = dict(os.environ, XLA_FLAGS=xla, JAX_PLATFORMS='cpu',
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get('PYTHONPATH')) if p))
     with tempfile.TemporaryFile('w+') as err:
       proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), f'--worker={spec}'],
@@ -129,7 +153,7 @@ def main(argv):
   unknown = set(models) - {'1.5b', '7b', '27b', 'tiny'}
   if unknown:
     raise app.UsageError(f'--models: unknown {sorted(unknown)}; use 1.5b, 7b, 27b')
-  rows = rows_for(models)
+  rows = select_rows(rows_for(models), FLAGS.only)
   start = time.time()
   by_key = {(r['model'], r['method'], r['devices']): r for r in run_workers(rows)}
   results = [by_key[(m, meth, d)] for m, meth, d, _ in rows]

@@ -6,6 +6,7 @@ step's real per-device inputs: the FSDP quarter of the params, dense AdamW's two
 per fp32 master weight, LoGRA's optimizer state a small fraction of that. Byte counts are
 exact integers: no tolerance except the pruned PRNG key (below).
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -66,3 +67,21 @@ def test_optimizer_state_dense_two_fp32_moments_logra_a_small_fraction(plan):
   # LoGRA (bf16 params, RowAdam): one fp32 moment per output unit of each sketched matrix.
   assert logra['params'] * 2 == dense['params'], (logra, dense)
   assert logra['opt_state'] < dense['opt_state'] / 50, (logra, dense)
+
+
+def _plan_module():
+  spec = importlib.util.spec_from_file_location(
+      '_memory_plan_cli', os.path.join(ROOT, 'experiments', 'memory_plan.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_only_selects_one_row_and_names_an_unknown_one():
+  cli = _plan_module()
+  rows = cli.rows_for(['1.5b', '7b', '27b'])
+  assert len({cli.row_name(r) for r in rows}) == len(rows) == 8
+  assert cli.select_rows(rows, ['7b_logra_4dev']) == [('7b', 'logra', 4, 'logra_peak_gib')]
+  assert cli.select_rows(rows, None) == rows
+  with pytest.raises(cli.app.UsageError, match=r"'7b_logra_3dev'.*7b_logra_1dev"):
+    cli.select_rows(rows, ['7b_logra_3dev'])

@@ -149,6 +149,7 @@ STEP_SCRIPT = '''
                  behaviour_logp=blogp, advantages=rng.normal(size=N).astype(np.float32))
     layout = parallel.layout_from_config(from_config_dict(default_config()).mesh)
     assert dict(layout.mesh.shape) == {'data': 1, 'fsdp': devices}  # the default: FSDP, all
+    jax.set_mesh(layout.mesh)  # as experiments/train.py traces the steps (model constraints)
 
     def per_device_bytes(tree):
       total = {}

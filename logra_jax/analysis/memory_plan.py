@@ -35,10 +35,15 @@ DEFAULT_SEQUENCE = (512, 3584)
 
 
 class Entry(NamedTuple):
-  """One compiled step: the jitted function, its abstract arguments and their names."""
+  """One compiled step: the jitted function, its abstract arguments and their names.
+
+  Lower it under ``jax.set_mesh(mesh)``, as `experiments/train.py` runs the trainer (the
+  model's activation constraints, `transformer.constrain_batch`, read that mesh).
+  """
   fn: Any
   args: tuple
   names: tuple
+  mesh: Any = None
 
 
 def load_config(model_key: str, method: str) -> TrainConfig:
@@ -53,23 +58,20 @@ def load_config(model_key: str, method: str) -> TrainConfig:
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   cfg = module.get_config(dense_arg) if method == 'dense' and dense_arg else module.get_config()
-  if method == 'dense':
-    cfg.optim.name = 'adam'
+  if method == 'dense':  # the dense recipe: fp32 master weights (the :adam variants set it)
+    cfg.optim.name, cfg.model.param_dtype = 'adam', 'float32'
   if model_key == 'tiny':  # the paper configs' memory settings, at the tiny shape
     cfg.model.dtype, cfg.model.remat_policy = 'bfloat16', 'full'
+    cfg.model.param_dtype = 'float32' if method == 'dense' else 'bfloat16'
     cfg.model.attention, cfg.model.attention_block, cfg.model.vocab_chunk = 'blockwise', 16, 8
   return from_config_dict(cfg)
 
 
-def param_dtype(cfg: TrainConfig, method: str) -> str:
-  """bf16 params for LoGRA; dense AdamW keeps fp32 master weights (the configs' recipe)."""
-  return 'float32' if method == 'dense' or cfg.model.dtype == 'float32' else 'bfloat16'
-
-
-def make_model(cfg: TrainConfig, method: str) -> Transformer:
+def make_model(cfg: TrainConfig) -> Transformer:
+  """The config's model; params stored in `model.param_dtype`, as `tasks.build_model` does."""
   m = cfg.model
   return Transformer(get_preset(
-      m.preset, dtype=m.dtype, param_dtype=param_dtype(cfg, method),
+      m.preset, dtype=m.dtype, param_dtype=m.param_dtype,
       remat_policy=m.remat_policy, attention=m.attention, attention_block=m.attention_block,
       vocab_chunk=m.vocab_chunk))
 
@@ -160,7 +162,8 @@ def entry(model_key: str, method: str, devices: int, micro_batches: int = 0) -> 
                            parse_axis_rules(cfg.mesh.rules))
   seq = SEQUENCE.get(model_key, DEFAULT_SEQUENCE)
   make = logra_entry if method == 'logra' else dense_entry
-  return make(cfg, make_model(cfg, method), layout, seq, micro_batches)
+  return make(cfg, make_model(cfg), layout, seq, micro_batches)._replace(
+      mesh=layout.mesh)
 
 
 def bytes_per_device(tree) -> int:

@@ -27,6 +27,8 @@ from logra_jax.models.config import ModelConfig
 from logra_jax.sketch.dense import PROBE, PROJECTION, SketchDense
 
 Cache = dict  # {'k', 'v': (N, B, S, K, E); 'mask': (B, S) bool; 'index': () int32 next slot}
+# Mesh axes the batch is split over (`logra_jax.parallel`: batches data-parallel over both).
+BATCH_AXES = ('data', 'fsdp')
 
 
 def _acc(dtype):
@@ -39,6 +41,21 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
   dtype = dtype or config.jnp_dtype
   return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype),
           'mask': jnp.zeros((batch, max_len), bool), 'index': jnp.zeros((), jnp.int32)}
+
+
+def constrain_batch(x_BxLxD):
+  """Rows split over the ambient mesh's batch axes (`jax.set_mesh`), where they divide.
+
+  A sharding constraint only (same values): after the gather from a vocab-sharded embedding
+  the partitioner would otherwise replicate the batch, so each device ran every row.
+  No mesh set, a mesh without those axes, or rows that do not divide: ``x`` unchanged.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(a for a in BATCH_AXES if not mesh.empty and a in mesh.axis_names)
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  if size == 1 or x_BxLxD.shape[0] % size:
+    return x_BxLxD
+  return jax.lax.with_sharding_constraint(x_BxLxD, jax.sharding.PartitionSpec(axes))
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -264,7 +281,7 @@ class Transformer(nn.Module):
                      param_dtype=c.jnp_param_dtype, name='embed',
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(1.0), ('vocab', 'embed')))
-    x_BxLxD = embed(tokens_BxL)
+    x_BxLxD = constrain_batch(embed(tokens_BxL))
     sin, cos = rope_sin_cos(c, positions_BxL)
     x_BxLxD, new_kv = _scanned_block(c)(c, self.sketch_mode, name='layers')(
         x_BxLxD, layer_caches, sin, cos, masks, cache_mask_BxS)

@@ -19,6 +19,7 @@ class ModelSection:
   preset: str = 'tiny'      # a preset name (random init), unless `path` is set
   path: str = ''            # an HF checkpoint directory or a .gguf file
   dtype: str = 'float32'    # compute dtype
+  param_dtype: str = 'float32'  # storage dtype of the params (init and checkpoint load)
   remat_policy: str = 'none'
   attention: str = 'dense'  # | 'blockwise' (online softmax, no L×L scores)
   attention_block: int = 512  # query/key block of blockwise attention
@@ -175,6 +176,7 @@ CHOICES = {
     'optim.projection': ('rademacher', 'gaussian', 'orthogonal'),
     'optim.kl_probe': ('jvp', 'fd'),
     'model.dtype': ('float32', 'bfloat16', 'float64'),
+    'model.param_dtype': ('float32', 'bfloat16', 'float64'),
     'model.attention': ('dense', 'blockwise'),
 }
 POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',

@@ -165,15 +165,16 @@ _LOADED = {}
 def _load(cfg: TrainConfig):
   """The checkpoint at model.path, loaded once per process."""
   from logra_jax.models import load  # pylint: disable=g-import-not-at-top
-  path = cfg.model.path
-  if path not in _LOADED:
+  path, dtype = cfg.model.path, cfg.model.param_dtype
+  if (path, dtype) not in _LOADED:
     if not os.path.exists(path):
       raise FileNotFoundError(
           f'config key model.path={path!r} does not exist on this machine: point it at an HF '
           'checkpoint directory (config.json + safetensors + tokenizer) or a .gguf file, '
           'e.g. --config.model.path=/path/to/Qwen2.5-Math-7B')
-    _LOADED[path] = load(path, on_host=True)  # numpy: placed shard by shard (build_model)
-  return _LOADED[cfg.model.path]
+    # numpy in model.param_dtype: placed shard by shard (build_model)
+    _LOADED[path, dtype] = load(path, dtype=dtype, on_host=True)
+  return _LOADED[path, dtype]
 
 
 def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None):
@@ -188,10 +189,11 @@ def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None):
                 attention_block=m.attention_block, vocab_chunk=m.vocab_chunk)
   if m.path:
     loaded = _load(cfg)
-    mc = loaded.config.replace(dtype=m.dtype, **memory)
+    mc = loaded.config.replace(dtype=m.dtype, param_dtype=m.param_dtype, **memory)
     params = parallel.put(loaded.params, parallel.param_shardings(layout, mc))
   else:
-    mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype, **memory,
+    mc = get_preset(m.preset, vocab_size=_vocab(task.tokenizer), dtype=m.dtype,
+                    param_dtype=m.param_dtype, **memory,
                     pad_token_id=task.pad_id,
                     eos_token_ids=task.stop_ids)
     params = parallel.init_params(mc, jax.random.key(cfg.seed),
