@@ -270,3 +270,16 @@ def test_decoder_sketch_equals_projected_dense_gradient(x64):
   for path, w in flat_w.items():
     assert flat_s[path].shape == w.shape and np.abs(w).max() > 1e-6, path
     np.testing.assert_allclose(flat_s[path], w, rtol=0, atol=TOL, err_msg=str(path))
+
+
+def test_dense_kernel_gradient_is_a_plain_2d_dot():
+  # Layout, not numerics: XLA:CPU runs the kernel gradient ~2x faster as (N, K)ᵀ (N, D) on
+  # flattened tokens than as the transpose of a batched (B, L, K) einsum (docs/benchmarks.md).
+  # Every kernel-gradient dot of the decoder's dense gradient must contract one flat token axis.
+  params, _, tokens, loss = _decoder('none')
+  grad = lambda p: jax.grad(lambda q: loss({'params': q}, tokens, jnp.float32(1)))(p)
+  shapes = {s[1:] for s in DECODER_KERNELS} | {s[:0:-1] for s in DECODER_KERNELS}
+  kernel_dots = [d for d in hlo.traced_dots(grad, params) if d.out in shapes]
+  assert len(kernel_dots) == 7  # one per projection (some as (D, K)), inside the layer scan
+  assert all(len(d.lhs) == len(d.rhs) == 2 and d.contracting == ((0,), (0,))
+             for d in kernel_dots), kernel_dots

@@ -63,6 +63,30 @@ def traced_shapes(fn: Callable, *args):
   return out
 
 
+class Dot(NamedTuple):
+  """One dot_general of a jaxpr: operand and output shapes, contracting dims of each operand."""
+  lhs: tuple
+  rhs: tuple
+  out: tuple
+  contracting: tuple
+
+
+def traced_dots(fn: Callable, *args):
+  """Every dot_general in ``fn(*args)``'s jaxpr, sub-jaxprs included."""
+  out = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == 'dot_general':
+        (lc, rc), _ = eqn.params['dimension_numbers']
+        out.append(Dot(eqn.invars[0].aval.shape, eqn.invars[1].aval.shape,
+                       eqn.outvars[0].aval.shape, (tuple(lc), tuple(rc))))
+      for _, sub in _jaxprs_of(eqn.params):
+        walk(sub)
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return out
+
+
 def _walk(jaxpr, in_dep, out, where, record):
   """Propagates dependence through `jaxpr` given its invars' flags; returns the outvars'."""
   dep = dict(zip(jaxpr.invars, in_dep))

@@ -36,6 +36,17 @@ def _xa(x, projection):
                     preferred_element_type=_acc_dtype(x.dtype))
 
 
+def _matmul(x, kernel):
+  """`x @ kernel` over x's flattened leading axes: (..., K) x (K, D) -> (..., D).
+
+  The 2-D form matters for the backward: JAX transposes it to the plain (N, K)ᵀ (N, D) dot for
+  the kernel gradient, which XLA:CPU runs at ~2x the speed of the transpose of the batched
+  einsum (docs/benchmarks.md, "Why the dense backward is slow").
+  """
+  y_NxD = jnp.dot(x.reshape(-1, x.shape[-1]), kernel.astype(x.dtype))
+  return y_NxD.reshape(*x.shape[:-1], kernel.shape[-1])
+
+
 @jax.custom_vjp
 def sketch_matmul(x, kernel, projection, probe):
   """`x @ kernel`; the probe's cotangent is the rank-R sketch `A @ dL/dkernel`.
@@ -50,11 +61,11 @@ def sketch_matmul(x, kernel, projection, probe):
     (..., D) = x @ kernel, in the dtype of x.
   """
   del projection, probe
-  return jnp.einsum('...k,kd->...d', x, kernel.astype(x.dtype))
+  return _matmul(x, kernel)
 
 
 def _sketch_matmul_fwd(x, kernel, projection, probe):
-  y = jnp.einsum('...k,kd->...d', x, kernel.astype(x.dtype))
+  y = _matmul(x, kernel)
   return y, (_xa(x, projection), kernel, projection, probe)
 
 
@@ -73,7 +84,7 @@ sketch_matmul.defvjp(_sketch_matmul_fwd, _sketch_matmul_bwd)
 
 def sketch_matmul_linear(x, kernel, projection, probe):
   """`x @ kernel + (x Aᵀ) @ probe`: JVP along probe tangent U == JVP along kernel Aᵀ U."""
-  y = jnp.einsum('...k,kd->...d', x, kernel.astype(x.dtype))
+  y = _matmul(x, kernel)
   delta = jnp.einsum('...r,rd->...d', _xa(x, projection), probe.astype(_acc_dtype(x.dtype)))
   return y + delta.astype(y.dtype)
 
@@ -110,7 +121,7 @@ class SketchDense(nn.Module):
       fn = sketch_matmul if self.sketch_mode == 'vjp' else sketch_matmul_linear
       y = fn(x, kernel, projection, probe)
     else:
-      y = jnp.einsum('...k,kd->...d', x, kernel.astype(self.dtype))
+      y = _matmul(x, kernel)
     if self.use_bias:
       bias = self.param(
           'bias', nn.with_logical_partitioning(nn.initializers.zeros_init(),
