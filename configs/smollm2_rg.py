@@ -3,6 +3,8 @@ by RL with LoGRA.
 
 Command:
   python experiments/train.py --config=configs/smollm2_rg.py --workdir=runs/smollm2_rg
+Dense-AdamW twin (the baseline, TRL's learning rate):
+  python experiments/train.py --config=configs/smollm2_rg.py:adam --workdir=runs/smollm2_rg_adam
 Smoke variant (2 prompts x 2 samples, 8 new tokens, 2 steps; checks the pipeline, learns nothing):
   python experiments/train.py --config=configs/smollm2_rg.py:smoke --workdir=/tmp/smol_smoke
 
@@ -54,7 +56,8 @@ def gguf_path() -> str:
 
 
 def get_config(arg=None):
-  """`arg`: None (the run), 'smoke' (a 2-step end-to-end check with a tiny batch) or 'vllm'
+  """`arg`: None (the run), 'smoke' (a 2-step end-to-end check with a tiny batch), 'adam' (the
+  same run with dense AdamW, the baseline) or 'vllm'
   (generation on a vLLM server at 127.0.0.1:8100 started with
   `LOGRA_BRIDGE_TOKEN=... third_party/vllm/serve --model=<the GGUF> --port=8100`)."""
   cfg = default_config()
@@ -91,6 +94,7 @@ def get_config(arg=None):
   cfg.optim.kl_budget_steps = 100
   cfg.optim.alpha_max = 3.0
   cfg.optim.kl_sequences = 8
+  cfg.optim.telemetry_every = 10  # the realised KL (one more forward) every 10th step
   cfg.eval.k = 1
   cfg.eval.temperature = 0.0
   cfg.total_steps = 100
@@ -106,10 +110,13 @@ def get_config(arg=None):
     cfg.total_steps = 2
     cfg.eval_every = 2
     cfg.checkpoint_every = 2
+  elif arg == 'adam':  # the dense-AdamW twin, at the learning rate bench_vs_trl gives TRL
+    cfg.optim.name = 'adam'
+    cfg.optim.adam_learning_rate = 1e-6
   elif arg == 'vllm':  # generation on one vLLM server: third_party/vllm/serve (docs/bridge.md)
     cfg.rollout.engine = 'http'
     cfg.rollout.urls = 'http://127.0.0.1:8100'
   elif arg:
-    raise ValueError(f"configs/smollm2_rg.py: unknown variant {arg!r} (use ':smoke', ':vllm' "
-                     'or none)')
+    raise ValueError(f"configs/smollm2_rg.py: unknown variant {arg!r} (use ':smoke', ':adam', "
+                     "':vllm' or none)")
   return cfg
