@@ -12,6 +12,55 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 
+# Whole files go to the two workers (`make test`: --dist loadfile --no-loadscope-reorder, which
+# keeps this order). The files that take minutes go first, longest first, so the last files to
+# start are short ones and the two workers finish together. Seconds per file: the summed
+# --durations of one full two-worker run; only the order depends on them.
+HEAVY_FILES = {
+    'test_sharding.py': 400, 'test_ablate.py': 380, 'test_fleet.py': 300,
+    'test_ablations.py': 300, 'test_trainer.py': 300, 'test_notebooks.py': 270,
+    'test_vllm_bridge.py': 200, 'test_configs.py': 170, 'test_chunked.py': 110,
+    'test_memory_plan.py': 90,
+}
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  items.sort(key=lambda item: -HEAVY_FILES.get(os.path.basename(str(item.path)), 0))
+
+
+def _session_dir(tmp_path_factory, name: str) -> str:
+  """A directory every xdist worker of this session shares (under pytest's base temp)."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent  # the workers' base temps are siblings
+  path = root / name
+  path.mkdir(exist_ok=True)
+  return str(path)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def warm_start_cache(tmp_path_factory):
+  """One session-wide warm-start cache (logra_jax/train/warm_start_cache.py): the runs that
+  warm-start the same model on the same batch (the tiny default, its ablations, notebook 03)
+  do the SFT steps once; subprocesses inherit it through the environment."""
+  from logra_jax.train import warm_start_cache as cache  # pylint: disable=g-import-not-at-top
+  with pytest.MonkeyPatch.context() as mp:
+    if not os.environ.get(cache.ENV):
+      mp.setenv(cache.ENV, _session_dir(tmp_path_factory, 'warm_start_cache'))
+    yield os.environ[cache.ENV]
+
+
+@pytest.fixture(scope='session')
+def shared_xla_env(tmp_path_factory):
+  """Environment variables for a subprocess: XLA's persistent compilation cache in one
+  directory for the session (the tiny runs of the ablations, compare_lora and notebook 03
+  share programs). A size limit turns on the cache's file lock, so concurrent workers never
+  read a half-written entry."""
+  return {'JAX_COMPILATION_CACHE_DIR': _session_dir(tmp_path_factory, 'xla_cache_shared'),
+          'JAX_COMPILATION_CACHE_MAX_SIZE': str(8 * 2**30)}
+
+
 @pytest.fixture
 def x64():
   """float64 for one test: only where a float64 reference is compared (users run fp32/bf16)."""
