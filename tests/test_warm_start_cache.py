@@ -55,7 +55,7 @@ def test_a_hit_is_the_computed_warm_start_bit_for_bit(setup, tmp_path, monkeypat
   assert len(list(tmp_path.glob('*.npz'))) == 1 and 'loaded from' not in lines[-1], lines
 
 
-def test_every_input_of_the_warm_start_is_in_the_key(setup):
+def test_every_input_of_the_warm_start_is_in_the_key(setup, monkeypatch):
   cfg, task, model, params = setup
   batch = data.warm_start_batch(task.train_records, task.tokenizer)
   key = cache.cache_key(cfg, model, params, batch)
@@ -74,6 +74,9 @@ def test_every_input_of_the_warm_start_is_in_the_key(setup):
       'params': cache.cache_key(cfg, model, other_params, batch),
       'batch': cache.cache_key(cfg, model, params, other_batch),
   }
+  with monkeypatch.context() as mp:
+    mp.setattr(cache, 'code_digest', lambda: 'other sources')
+    changed['code'] = cache.cache_key(cfg, model, params, batch)
   same = [name for name, k in changed.items() if k == key]
   assert not same, f'the key ignores {same}'
   with jax.enable_x64(True):

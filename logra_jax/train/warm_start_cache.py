@@ -3,20 +3,25 @@
 With LOGRA_WARM_START_CACHE=DIR set, `warm_start` keeps each warm-started policy in
 DIR/<key>.npz, the key a SHA-256 of everything the warm start reads: the model config, the
 initial parameters (values, dtypes, shapes, shardings), the supervised batch, the warm-start
-steps, learning rate, batch size and seed, the JAX version, the devices and the x64 and
-matmul-precision settings. A later run with the same key loads the saved parameters
-(bit-identical to recomputing them, placed with the computed ones' partition specs) instead
-of repeating the SFT steps. Unset (the default), on more than one process, or for parameters
-that are not all NamedSharding arrays on one mesh, it is not used.
+steps, learning rate, batch size and seed, the devices, the x64 and matmul-precision
+settings, and the code (this package's sources; the JAX, Flax and optax versions). A later
+run with the same key loads the saved parameters (bit-identical to recomputing them, placed
+with the computed ones' partition specs) instead of repeating the SFT steps. Unset (the
+default), on more than one process, or for parameters that are not all NamedSharding arrays
+on one mesh, it is not used.
 """
 import dataclasses
+import functools
+import glob
 import hashlib
 import json
 import os
 import tempfile
 
+import flax
 import jax
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from logra_jax import data
@@ -26,9 +31,21 @@ from logra_jax.train import warm_start as sft
 ENV = 'LOGRA_WARM_START_CACHE'
 
 
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+  """SHA-256 of this package's Python sources and the versions of the libraries it runs on."""
+  h = hashlib.sha256(repr((jax.__version__, flax.__version__, optax.__version__)).encode())
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  for path in sorted(glob.glob(os.path.join(root, 'logra_jax', '**', '*.py'), recursive=True)):
+    h.update(os.path.relpath(path, root).encode())
+    with open(path, 'rb') as f:
+      h.update(f.read())
+  return h.hexdigest()
+
+
 def cache_key(cfg, model, params, batch: dict) -> str:
   """SHA-256 over the warm start's inputs (a changed value gives another key)."""
-  h = hashlib.sha256()
+  h = hashlib.sha256(code_digest().encode())
   w = cfg.warm_start
   for part in (repr(dataclasses.asdict(cfg.model)), repr(getattr(model, 'config', None)),
                w.steps, w.learning_rate, w.batch_size, cfg.seed, jax.__version__,
