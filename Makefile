@@ -43,12 +43,15 @@ run: $(VENV)/.installed
 # Both environments build at once (the installs wait on downloads, not on the CPU); the tests
 # run on two workers, whole files at a time, so a file's module fixtures (a vLLM server, a
 # loaded model) start once. pytest exits 5 when it collects no test: that is a failure here.
+# --no-loadscope-reorder keeps tests/conftest.py's order (the files that take minutes first)
+# instead of xdist's (most tests first), so two long files do not start last.
 JOBS ?= 2
 envs:
 	$(MAKE) -j2 $(VENV)/.installed-test .venv-vllm/.installed
 
 test: envs
-	$(BIN)/python -m pytest tests -q -ra --durations=15 -n $(JOBS) --dist loadfile $(ARGS)
+	$(BIN)/python -m pytest tests -q -ra --durations=15 -n $(JOBS) --dist loadfile \
+	    --no-loadscope-reorder $(ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-vllm runs

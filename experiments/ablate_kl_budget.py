@@ -14,24 +14,16 @@ response length, the predicted KL alpha²q, the realised KL of the applied step 
 sequences, alpha and the effective budget. Writes WORKDIR/results.md, results.json and
 ablate_kl_budget.png (pass@1, response length, realised KL and alpha against steps).
 """
-import os
 import time
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import app, logging
 import numpy as np
 
 import ablation_io
 import ablation_start
 
 NAME = 'ablate_kl_budget'
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/ablate_kl_budget.py[:tiny]',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (arms, results).')
-_START = flags.DEFINE_string('start_dir', None, 'The shared step-0 start (default WORKDIR/start).')
-_CACHE = flags.DEFINE_string('compile_cache', None, "XLA cache dir (default "
-                             "$JAX_COMPILATION_CACHE_DIR or WORKDIR/jax_cache; '' off).")
-flags.mark_flags_as_required(['config', 'workdir'])
+_FLAGS = ablation_start.define_flags(NAME)
 
 CURVES = ('response_length', 'realized_kl', 'predicted_kl', 'alpha', 'kl_budget', 'accuracy')
 
@@ -107,23 +99,13 @@ def figure(rows: list):
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  from logra_jax import parallel  # pylint: disable=g-import-not-at-top
-  workdir, start = _WORKDIR.value, time.perf_counter()
-  ablation_start.enable_compile_cache(ablation_start.compile_cache_dir(_CACHE.value, workdir))
-  s = ablation_io.settings(flags.FLAGS['config'])
-  base = ablation_io.train_config(_CONFIG.value)
-  start_dir = _START.value or os.path.join(workdir, 'start')
-  with jax.set_mesh(parallel.layout_from_config(base.mesh).mesh):
-    ablation_start.make_start(base, start_dir, logging.warning)
-    rows = run_arms(base, s, workdir, start_dir, logging.warning)
-  meta = dict(command=' '.join(['python experiments/ablate_kl_budget.py',
-                                f'--config={flags.FLAGS["config"].config_filename}',
-                                f'--workdir={workdir}']),
-              machine=ablation_start.machine(), wall_s=time.perf_counter() - start)
+  with ablation_start.started(NAME, _FLAGS) as ab:
+    rows = run_arms(ab.base, ab.settings, ab.workdir, ab.start_dir, logging.warning)
+  s = ab.settings
+  meta = dict(command=ab.command, machine=ablation_start.machine(),
+              wall_s=time.perf_counter() - ab.started)
   results = dict(name=NAME, meta=meta, settings=s, arms=rows)
-  paths = ablation_io.write_results(workdir, NAME, results, markdown(rows, s, meta),
+  paths = ablation_io.write_results(ab.workdir, NAME, results, markdown(rows, s, meta),
                                     figure(rows))
   print(open(paths['md']).read())
 

@@ -13,24 +13,16 @@ starting policy, G the dense gradient of the reference answers' NLL (the answer 
 `cosine_sequences` training prompts), with the i.i.d./orthogonal theory beside it.
 Writes WORKDIR/results.md, results.json and ablate_rank.png.
 """
-import os
 import time
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import app, logging
 import numpy as np
 
 import ablation_io
 import ablation_start
 
 NAME = 'ablate_rank'
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/ablate_rank.py[:tiny]',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Output directory (arms, results).')
-_START = flags.DEFINE_string('start_dir', None, 'The shared step-0 start (default WORKDIR/start).')
-_CACHE = flags.DEFINE_string('compile_cache', None, "XLA cache dir (default "
-                             "$JAX_COMPILATION_CACHE_DIR or WORKDIR/jax_cache; '' off).")
-flags.mark_flags_as_required(['config', 'workdir'])
+_FLAGS = ablation_start.define_flags(NAME)
 
 
 def arms(s: dict) -> list:
@@ -184,27 +176,17 @@ def figure(arm_rows: list, summary: list, cos_rows: list):
 
 def main(argv):
   del argv
-  logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  from logra_jax import parallel  # pylint: disable=g-import-not-at-top
-  workdir, start = _WORKDIR.value, time.perf_counter()
-  ablation_start.enable_compile_cache(ablation_start.compile_cache_dir(_CACHE.value, workdir))
-  s = ablation_io.settings(flags.FLAGS['config'])
-  base = ablation_io.train_config(_CONFIG.value)
-  start_dir = _START.value or os.path.join(workdir, 'start')
-  with jax.set_mesh(parallel.layout_from_config(base.mesh).mesh):
-    ablation_start.make_start(base, start_dir, logging.warning)
-    arm_rows = [run_arm(base, a, workdir, start_dir, logging.warning) for a in arms(s)]
-    cos_rows = cosines(base, start_dir, s, logging.warning)
+  with ablation_start.started(NAME, _FLAGS) as ab:
+    arm_rows = [run_arm(ab.base, a, ab.workdir, ab.start_dir, logging.warning)
+                for a in arms(ab.settings)]
+    cos_rows = cosines(ab.base, ab.start_dir, ab.settings, logging.warning)
   summary = cosine_summary(cos_rows)
-  meta = dict(command=' '.join(['python experiments/ablate_rank.py',
-                                f'--config={flags.FLAGS["config"].config_filename}',
-                                f'--workdir={workdir}']),
-              machine=ablation_start.machine(), wall_s=time.perf_counter() - start,
+  meta = dict(command=ab.command, machine=ablation_start.machine(),
+              wall_s=time.perf_counter() - ab.started,
               start_pass_at_1=arm_rows[0]['start_pass_at_1'])
-  results = dict(name=NAME, meta=meta, settings=s, arms=arm_rows, cosine_summary=summary,
-                 cosines=cos_rows)
-  paths = ablation_io.write_results(workdir, NAME, results,
+  results = dict(name=NAME, meta=meta, settings=ab.settings, arms=arm_rows,
+                 cosine_summary=summary, cosines=cos_rows)
+  paths = ablation_io.write_results(ab.workdir, NAME, results,
                                     markdown(arm_rows, summary, cos_rows, meta),
                                     figure(arm_rows, summary, cos_rows))
   print(open(paths['md']).read())

@@ -11,16 +11,23 @@ projection kind and KL settings are all free).
 
 XLA's persistent compilation cache (`enable_compile_cache`) makes the arms that share a step
 program (same rank; same KL-control switch and alpha_max) compile it once.
+
+`define_flags` and `started` are the scripts' common command line and main() prelude.
 """
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 import shutil
+import time
 
+from absl import flags, logging
 import jax
+from ml_collections import config_flags
 
 import ablation_io
+from logra_jax import parallel
 from logra_jax.train import loop
 from logra_jax.train.config import TrainConfig
 
@@ -111,3 +118,45 @@ def machine() -> str:
   """The devices and host, for the results' provenance line."""
   return (f'{jax.devices()[0].device_kind} x{jax.device_count()} ({jax.default_backend()}), '
           f'{os.cpu_count()} CPU cores, {platform.machine()}, JAX {jax.__version__}')
+
+
+def define_flags(name: str) -> dict:
+  """--config, --workdir, --start_dir, --compile_cache of experiments/<name>.py."""
+  holders = dict(
+      config=config_flags.DEFINE_config_file('config', None, f'configs/{name}.py[:tiny]',
+                                             lock_config=True),
+      workdir=flags.DEFINE_string('workdir', None, 'Output directory (arms, results).'),
+      start_dir=flags.DEFINE_string('start_dir', None,
+                                    'The shared step-0 start (default WORKDIR/start).'),
+      compile_cache=flags.DEFINE_string('compile_cache', None, "XLA cache dir (default "
+                                        "$JAX_COMPILATION_CACHE_DIR or WORKDIR/jax_cache; '' "
+                                        'off).'))
+  flags.mark_flags_as_required(['config', 'workdir'])
+  return holders
+
+
+@dataclasses.dataclass
+class Ablation:
+  settings: dict      # the config file's ablation(arg)
+  base: TrainConfig   # the base run every arm starts from
+  workdir: str
+  start_dir: str
+  command: str        # the script's command line, for the results
+  started: float      # time.perf_counter() at the start of main
+
+
+@contextlib.contextmanager
+def started(name: str, holders: dict, log=logging.warning):
+  """An `Ablation` from the flags, inside the base config's mesh, its shared start made."""
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
+  begin, workdir = time.perf_counter(), holders['workdir'].value
+  enable_compile_cache(compile_cache_dir(holders['compile_cache'].value, workdir))
+  config_file = flags.FLAGS['config'].config_filename
+  ab = Ablation(settings=ablation_io.settings(flags.FLAGS['config']),
+                base=ablation_io.train_config(holders['config'].value), workdir=workdir,
+                start_dir=holders['start_dir'].value or os.path.join(workdir, 'start'),
+                command=f'python experiments/{name}.py --config={config_file} '
+                        f'--workdir={workdir}', started=begin)
+  with jax.set_mesh(parallel.layout_from_config(ab.base.mesh).mesh):
+    make_start(ab.base, ab.start_dir, log)
+    yield ab

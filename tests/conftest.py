@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 
@@ -10,6 +11,61 @@ os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+
+
+# Whole files go to the two workers (`make test`: --dist loadfile --no-loadscope-reorder, which
+# keeps this order): the files that take minutes first, longest first, then the rest with the
+# most tests first (xdist's own order), so the last files to start are short and the two
+# workers finish together. Seconds per file: the --durations of one full two-worker run
+# (summed; rounded); only the order depends on them. Simulated with those times (each of the
+# other files' times jittered +-50%), two workers end 15 s (median) / 49 s (worst of 300)
+# after half the total work, against 46 s / 259 s in xdist's order.
+HEAVY_FILES = {
+    'test_sharding.py': 400, 'test_ablate.py': 380, 'test_fleet.py': 300,
+    'test_ablations.py': 300, 'test_trainer.py': 300, 'test_notebooks.py': 270,
+    'test_vllm_bridge.py': 200, 'test_configs.py': 170, 'test_weights.py': 150,
+    'test_train_steps.py': 150, 'test_trainer_paths.py': 150, 'test_bridge.py': 120,
+    'test_chunked.py': 110, 'test_memory_plan.py': 90,
+}
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  name = lambda item: os.path.basename(str(item.path))
+  counts = collections.Counter(name(item) for item in items)
+  items.sort(key=lambda item: (-HEAVY_FILES.get(name(item), 0), -counts[name(item)]))
+
+
+def _session_dir(tmp_path_factory, name: str) -> str:
+  """A directory every xdist worker of this session shares (under pytest's base temp)."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent  # the workers' base temps are siblings
+  path = root / name
+  path.mkdir(exist_ok=True)
+  return str(path)
+
+
+@pytest.fixture(scope='session', autouse=True)
+def warm_start_cache(tmp_path_factory):
+  """One session-wide warm-start cache (logra_jax/train/warm_start_cache.py): the runs that
+  warm-start the same model on the same batch (the tiny default, its ablations, notebook 03)
+  do the SFT steps once; subprocesses inherit it through the environment."""
+  from logra_jax.train import warm_start_cache as cache  # pylint: disable=g-import-not-at-top
+  with pytest.MonkeyPatch.context() as mp:
+    if not os.environ.get(cache.ENV):
+      mp.setenv(cache.ENV, _session_dir(tmp_path_factory, 'warm_start_cache'))
+    yield os.environ[cache.ENV]
+
+
+@pytest.fixture(scope='session')
+def shared_xla_env(tmp_path_factory):
+  """Environment variables for a subprocess: XLA's persistent compilation cache in one
+  directory for the session (the tiny runs of the ablations, compare_lora and notebook 03
+  share programs). A size limit turns on the cache's file lock, so concurrent workers never
+  read a half-written entry."""
+  return {'JAX_COMPILATION_CACHE_DIR': _session_dir(tmp_path_factory, 'xla_cache_shared'),
+          'JAX_COMPILATION_CACHE_MAX_SIZE': str(8 * 2**30)}
 
 
 @pytest.fixture

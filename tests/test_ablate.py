@@ -1,6 +1,7 @@
 """The rank and KL-budget ablations at :tiny, run as a user runs them (subprocesses).
 
-Both scripts share one step-0 start (the warm start runs once) and one XLA compilation cache.
+Both scripts share one step-0 start (the warm start runs once) and the session's XLA
+compilation cache (tests/conftest.py: shared_xla_env).
 """
 import json
 import os
@@ -14,9 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope='module')
-def shared(tmp_path_factory):
+def shared(tmp_path_factory, shared_xla_env):
   root = tmp_path_factory.mktemp('ablate')
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / 'jax_cache'),
+  env = dict(os.environ, **shared_xla_env,
              PYTHONPATH=os.pathsep.join([ROOT, os.environ.get('PYTHONPATH', '')]))
   return root, env
 

@@ -12,12 +12,13 @@ ARMS = ('logra', 'lora', 'adam')
 
 
 @pytest.mark.slow
-def test_compare_lora_tiny_writes_memory_time_and_pass_at_1(tmp_path):
+def test_compare_lora_tiny_writes_memory_time_and_pass_at_1(tmp_path, shared_xla_env):
   """LoRA and LoGRA steps hold no dense optimizer state and form no dense gradient: their
   compiled argument and temp bytes are below dense AdamW's (tiny: 0.45M params, rank 64)."""
   cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'compare_lora.py'),
          f'--config={ROOT}/configs/compare_lora.py:tiny', f'--workdir={tmp_path}']
-  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  env = dict(os.environ, **shared_xla_env,
+             PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
   assert proc.returncode == 0, proc.stderr[-4000:]
   for name in ('results.md', 'results.json', 'compare_lora.png'):

@@ -40,7 +40,7 @@ def test_stored_without_outputs_and_ending_in_a_check(path):
 
 
 @pytest.fixture
-def kernel_of_this_interpreter(tmp_path, monkeypatch):
+def kernel_of_this_interpreter(tmp_path, monkeypatch, shared_xla_env):
   """A 'python3' kernelspec that runs THIS interpreter (the venv's), found first on JUPYTER_PATH.
 
   The venv's own spec says argv[0] = 'python', which resolves through PATH, not to the venv.
@@ -54,6 +54,8 @@ def kernel_of_this_interpreter(tmp_path, monkeypatch):
   monkeypatch.setenv('PYTHONPATH', os.pathsep.join(
       [ROOT] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
   monkeypatch.setenv('MPLBACKEND', 'Agg')
+  for key, value in shared_xla_env.items():  # notebook 03 compiles the ablations' programs
+    monkeypatch.setenv(key, value)
   return 'python3'
 
 

@@ -17,7 +17,7 @@ from logra_jax import parallel, sketch
 from logra_jax.rl.advantages import get_advantage_fn
 from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
-from logra_jax.train import steps, summary, tasks
+from logra_jax.train import steps, summary, tasks, warm_start_cache
 from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.fleet import FleetGenerator
 from logra_jax.train.config import TrainConfig
@@ -124,7 +124,8 @@ class Trainer:
     latest = self.ckpt.latest_step()
     if latest is None:
       if self.cfg.warm_start.steps:
-        params = tasks.warm_start(self.cfg, self.task, self.model, params, self.log)
+        params = warm_start_cache.warm_start(self.cfg, self.task, self.model, params,
+                                             self.log)
       self.state = self.method.init(params)
       # The KL penalty's reference: the policy RL starts from (after any warm start).
       self.ref = self._reference()

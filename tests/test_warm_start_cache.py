@@ -1,0 +1,83 @@
+"""The warm-start cache (logra_jax/train/warm_start_cache.py): a hit is the computed warm start,
+bit for bit and placed alike, and every input of the warm start is in the key."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from configs import tiny
+from logra_jax import data
+from logra_jax.train import config as config_lib
+from logra_jax.train import tasks
+from logra_jax.train import warm_start_cache as cache
+from trainer_runs import xla_cache  # noqa: F401  (the two warm starts compile one program)
+
+
+def _config(**warm):
+  c = tiny.get_config()
+  c.data.eval_size = 8
+  c.warm_start.steps, c.warm_start.batch_size = 3, 8
+  for key, value in warm.items():
+    c.warm_start[key] = value
+  return config_lib.from_config_dict(c)
+
+
+@pytest.fixture(scope='module')
+def setup():
+  cfg = _config()
+  task = tasks.build_task(cfg)
+  model, _, params = tasks.build_model(cfg, task)
+  return cfg, task, model, params
+
+
+def _equal(a, b) -> bool:
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_a_hit_is_the_computed_warm_start_bit_for_bit(setup, tmp_path, monkeypatch):
+  cfg, task, model, params = setup
+  monkeypatch.setenv(cache.ENV, str(tmp_path))
+  lines = []
+  computed = cache.warm_start(cfg, task, model, params, lines.append)
+  assert len(list(tmp_path.glob('*.npz'))) == 1 and 'loaded from' not in lines[-1], lines
+  loaded = cache.warm_start(cfg, task, model, params, lines.append)
+  assert 'loaded from' in lines[-1] and lines[-1].startswith('supervised warm start:'), lines
+  # The final loss in the line is the computed run's, read back from the cache file.
+  assert lines[-1].split('(final loss ')[1][:5] == lines[-2].split('(final loss ')[1][:5]
+  assert not _equal(computed, params)  # the warm start moved the weights
+  assert _equal(loaded, computed)
+  assert all(a.dtype == b.dtype and a.sharding == b.sharding
+             for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(computed)))
+  # Unset, the warm start runs (no file is read or written) and computes the same weights.
+  monkeypatch.delenv(cache.ENV)
+  assert _equal(cache.warm_start(cfg, task, model, params, lines.append), computed)
+  assert len(list(tmp_path.glob('*.npz'))) == 1 and 'loaded from' not in lines[-1], lines
+
+
+def test_every_input_of_the_warm_start_is_in_the_key(setup, monkeypatch):
+  cfg, task, model, params = setup
+  batch = data.warm_start_batch(task.train_records, task.tokenizer)
+  key = cache.cache_key(cfg, model, params, batch)
+  assert cache.cache_key(cfg, model, params, dict(batch)) == key  # deterministic
+  other_batch = dict(batch, loss_mask=batch['loss_mask'].copy())
+  other_batch['loss_mask'][0, -1] = 1 - other_batch['loss_mask'][0, -1]
+  leaves, treedef = jax.tree_util.tree_flatten(params)
+  other_params = jax.tree_util.tree_unflatten(treedef, [leaves[0] + 1] + leaves[1:])
+  changed = {
+      'steps': cache.cache_key(_config(steps=4), model, params, batch),
+      'learning_rate': cache.cache_key(_config(learning_rate=2e-3), model, params, batch),
+      'batch_size': cache.cache_key(_config(batch_size=16), model, params, batch),
+      'seed': cache.cache_key(dataclasses.replace(cfg, seed=cfg.seed + 1), model, params, batch),
+      'model': cache.cache_key(dataclasses.replace(cfg, model=dataclasses.replace(
+          cfg.model, dtype='bfloat16')), model, params, batch),
+      'params': cache.cache_key(cfg, model, other_params, batch),
+      'batch': cache.cache_key(cfg, model, params, other_batch),
+  }
+  with monkeypatch.context() as mp:
+    mp.setattr(cache, 'code_digest', lambda: 'other sources')
+    changed['code'] = cache.cache_key(cfg, model, params, batch)
+  same = [name for name, k in changed.items() if k == key]
+  assert not same, f'the key ignores {same}'
+  with jax.enable_x64(True):
+    assert cache.cache_key(cfg, model, params, batch) != key  # x64 changes the SFT program
