@@ -11,9 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from logra_jax import sketch
+from logra_jax.models.presets import get_preset
+from logra_jax.models.transformer import Transformer, init_params
+from logra_jax.rl import losses as rl_losses
 from logra_jax.sketch import update as upd
 from logra_jax.train import config as config_lib
-from logra_jax.train import methods, steps
+from logra_jax.train import methods, optimizers, steps
+from logra_jax.train.config import OptimSection
 
 DRAWS = 2000
 
@@ -80,7 +85,9 @@ def test_exact_values_specials_and_the_max():
   big = np.array([0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000], np.uint32).view(np.float32)
   np.testing.assert_array_equal(draws(big, n=50), np.broadcast_to(
       np.array([bf16_max, -bf16_max, bf16_max]), (50, 3)))
-  assert np.all(np.isnan(draws(np.array([np.nan, -np.nan], np.float32), n=10)))
+  # NaN stays NaN, also a NaN whose payload sits only in the truncated low bits.
+  nans = np.array([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF80FFFF], np.uint32).view(np.float32)
+  assert np.all(np.isnan(draws(nans, n=10)))
   with pytest.raises(ValueError, match='float32'):
     upd.stochastic_round_bf16(jnp.zeros(2, jnp.bfloat16), jax.random.key(0))
 
@@ -196,3 +203,36 @@ def test_bf16_params_are_refused_for_dense_updates(name):
     config_lib.from_config_dict(cfg)
   cfg.model.param_dtype = 'float32'
   config_lib.from_config_dict(cfg)
+
+
+
+def _tiny_bf16_step_jaxpr(rounding):
+  """The jaxpr of a LoGRA step on a tiny bf16-param model (traced, not compiled)."""
+  mc = get_preset('tiny', vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=2, num_kv_heads=1, max_position_embeddings=16,
+                  dtype='float32', param_dtype='bfloat16')
+  opt = optimizers.logra_optimizer(OptimSection(learning_rate=1.0, update_ratio=6e-5), 10)
+  sc = steps.StepConfig(2, 1, 2, False, 'jvp', 3.0, 0.0, telemetry_every=0,
+                        param_rounding=rounding)
+  loss = rl_losses.LossConfig('reinforce_tis', (('cap', 2.0),))
+  step = steps.make_logra_step(Transformer(mc), loss, opt, sc, steps.ProjectionSpec(4))
+  params = jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
+  probes = jax.eval_shape(sketch.zero_probes, params, steps.draw_projections(
+      params, 0, 0, steps.ProjectionSpec(4)))
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  batch = dict(tokens=jax.ShapeDtypeStruct((4, 4), jnp.int32),
+               mask=jax.ShapeDtypeStruct((4, 4), jnp.bool_), targets=jax.ShapeDtypeStruct(
+                   (4, 2), jnp.int32), target_mask=f32(4, 2), behaviour_logp=f32(4, 2),
+               advantages=f32(4))
+  u32 = jax.ShapeDtypeStruct((), jnp.uint32)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return str(jax.make_jaxpr(step.jitted)(params, jax.eval_shape(opt.init, probes), batch, u32,
+                                         u32, f32(), key, jax.ShapeDtypeStruct((), jnp.bool_)))
+
+
+def test_the_logra_step_rounds_bf16_params_with_its_key():
+  """The step's key reaches the apply: with 'stochastic' the traced step draws random bits
+  (this step has no other randomness: no sparse mask, no KL probe); with 'nearest' none.
+  The key is the trainer's fold_in(key(seed), t): a resumed step rounds the same way."""
+  assert 'random_bits' in _tiny_bf16_step_jaxpr('stochastic')
+  assert 'random_bits' not in _tiny_bf16_step_jaxpr('nearest')
