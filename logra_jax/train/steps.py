@@ -324,9 +324,9 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
                     sc: StepConfig, sh: Optional[StepShardings] = None):
   """The LoGRA step on given projections (unjitted); `make_logra_step` draws them itself.
 
-  ``update(params, opt_state, batch, projections, budget, key, telemetry=True)``: sketches → optax → α from
-  predicted KL → kernel += α·AᵀU (bf16 kernels stochastically rounded with a key folded
-  from ``key``, `rounding_key`). Outputs as ``make_logra_step``'s step.
+  ``update(params, opt_state, batch, projections, budget, key, telemetry=True)``: sketches →
+  optax → α from predicted KL → kernel += α·AᵀU (bf16 kernels stochastically rounded with a
+  key folded from ``key``, `rounding_key`). Outputs as ``make_logra_step``'s step.
   """
   linear = model.clone(sketch_mode='linear')
   fd_linear = _fp32_compute(linear) if sc.kl_probe == 'fd' else None
