@@ -69,7 +69,9 @@ def ablation(arg=None) -> dict:
   """The arms ({name: config overrides}, in order) and the timed steps per method."""
   _check(arg)
   rank = 16 if arg == 'tiny' else 256
-  dense = {} if arg == 'tiny' else {'optim.lr_schedule': 'cosine', 'optim.warmup_steps': 9}
+  # fp32 trainable weights for the dense arms (config.py refuses bf16 AdamW / LoRA updates)
+  dense = {} if arg == 'tiny' else {'optim.lr_schedule': 'cosine', 'optim.warmup_steps': 9,
+                                    'model.param_dtype': 'float32'}
   lora = {'optim.name': 'lora', 'optim.lora_rank': rank, 'optim.lora_alpha': 2.0 * rank,
           'optim.adam_learning_rate': 5e-4 if arg == 'tiny' else 1e-5, **dense}
   return {'arms': {'logra': {'optim.rank': rank}, 'lora': lora,

@@ -103,6 +103,7 @@ class OptimSection:
   #   (the paper); False: entries of size ~1 like Adam's, so learning_rate is Adam-like
   update_ratio: float = 0.0  # the authors' relative global step (0: off)
   sparse_mask: float = 0.0  # drop this fraction of output units per step (unbiased)
+  param_rounding: str = 'stochastic'  # bf16 params: W + ΔW stochastically rounded | 'nearest'
   kl_control: bool = True   # α from the predicted KL (else α = 1)
   kl_probe: str = 'jvp'     # | 'fd' (finite difference)
   kl_budget_init: float = 2e-4
@@ -175,6 +176,7 @@ CHOICES = {
     'optim.sketch_optimizer': ('row_adam', 'sgd'),
     'optim.projection': ('rademacher', 'gaussian', 'orthogonal'),
     'optim.kl_probe': ('jvp', 'fd'),
+    'optim.param_rounding': ('stochastic', 'nearest'),  # = train.steps.PARAM_ROUNDINGS
     'model.dtype': ('float32', 'bfloat16', 'float64'),
     'model.param_dtype': ('float32', 'bfloat16', 'float64'),
     'model.attention': ('dense', 'blockwise'),
@@ -235,10 +237,21 @@ def _check(cfg: TrainConfig):
     raise ValueError('config key data.name must name a reasoning-gym dataset')
   if cfg.data.source == 'file' and not cfg.data.path:
     raise ValueError('config key data.path must point at a JSONL/Parquet file')
+  _check_dense_param_dtype(cfg)
   _check_mesh(cfg.mesh)
   if cfg.data.prompts_per_step * cfg.data.samples_per_prompt % cfg.optim.micro_batches:
     raise ValueError('config key optim.micro_batches must divide '
                      'data.prompts_per_step * data.samples_per_prompt')
+
+
+def _check_dense_param_dtype(cfg: TrainConfig):
+  """AdamW / LoRA write p + Δp back by nearest rounding: bf16 would drop most of each step."""
+  if cfg.optim.name in ('adam', 'lora') and cfg.model.param_dtype == 'bfloat16':
+    raise ValueError(
+        f'config key model.param_dtype=bfloat16 with optim.name={cfg.optim.name!r}: the '
+        'dense AdamW / LoRA update is rounded to nearest bf16, which drops most of a small '
+        "step (docs/memory.md); use model.param_dtype='float32' (fp32 master weights; "
+        "model.dtype='bfloat16' keeps bf16 compute). Only LoGRA rounds bf16 stochastically.")
 
 
 MESH_AXES = ('data', 'fsdp')

@@ -38,7 +38,8 @@ def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
   return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, o.kl_control,
                           o.kl_probe, o.alpha_max, o.sparse_mask,
                           return_update=cfg.rollout.engine == 'http',
-                          telemetry_every=o.telemetry_every)
+                          telemetry_every=o.telemetry_every,
+                          param_rounding=o.param_rounding)
 
 
 @dataclasses.dataclass

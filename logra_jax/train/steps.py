@@ -220,6 +220,9 @@ class StepConfig(NamedTuple):
   # The realised-KL telemetry runs at steps where the caller passes telemetry=True; 0: never
   # compiled (and with kl_control=False, no KL probe at all: no JVP, no extra forward).
   telemetry_every: int = 1
+  # How a bf16 kernel stores W + α·AᵀU: 'stochastic' (unbiased, keyed by the step's key) or
+  # 'nearest'. fp32 kernels are exact either way (config key optim.param_rounding).
+  param_rounding: str = 'stochastic'
 
 
 def telemetry_at(telemetry_every: int, t: int) -> bool:
@@ -297,17 +300,39 @@ def draw_projections(params, seed, step, proj: ProjectionSpec):
                                              dtype=proj.dtype, name_fn=proj.name_fn)
 
 
+# Folded into the step's key for the stochastic rounding of the apply: independent of the
+# key's other use (the sparse mask), and as reproducible as the key (a function of the step).
+ROUNDING_KEY_SALT = 0x53520001
+PARAM_ROUNDINGS = ('stochastic', 'nearest')
+
+
+def _check_rounding(sc: StepConfig):
+  if sc.param_rounding not in PARAM_ROUNDINGS:
+    raise ValueError(f'StepConfig.param_rounding={sc.param_rounding!r} must be one of '
+                     f'{PARAM_ROUNDINGS} (config key optim.param_rounding)')
+
+
+def rounding_key(sc: StepConfig, key):
+  """The apply's stochastic-rounding key (``sketch.apply_sketch_updates``), or None."""
+  _check_rounding(sc)
+  if sc.param_rounding == 'nearest':
+    return None
+  return jax.random.fold_in(key, ROUNDING_KEY_SALT)
+
+
 def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
                     sc: StepConfig, sh: Optional[StepShardings] = None):
   """The LoGRA step on given projections (unjitted); `make_logra_step` draws them itself.
 
-  ``update(params, opt_state, batch, projections, budget, key, telemetry=True)``: sketches → optax → α from
-  predicted KL → kernel += α·AᵀU. Outputs as ``make_logra_step``'s step.
+  ``update(params, opt_state, batch, projections, budget, key, telemetry=True)``: sketches →
+  optax → α from predicted KL → kernel += α·AᵀU (bf16 kernels stochastically rounded with a
+  key folded from ``key``, `rounding_key`). Outputs as ``make_logra_step``'s step.
   """
   linear = model.clone(sketch_mode='linear')
   fd_linear = _fp32_compute(linear) if sc.kl_probe == 'fd' else None
   temp = loss_cfg.temperature
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
+  _check_rounding(sc)
 
   def update(params, opt_state, batch, projections, budget, key, telemetry=True):
     grad_fn = lambda mb, w: sketch.sketch_value_and_grad(loss, has_aux=True)(
@@ -328,8 +353,9 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     probed = probe() if sc.kl_control else None
     alpha = sketch.step_scale(probed[1], budget, sc.alpha_max) if probed else jnp.ones_like(budget)
     ok = _all_finite(s) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
-    new_params = jax.lax.cond(
-        ok, lambda: sketch.apply_sketch_updates(params, u, projections, alpha), lambda: params)
+    apply = lambda: sketch.apply_sketch_updates(params, u, projections, alpha,
+                                                key=rounding_key(sc, key))
+    new_params = jax.lax.cond(ok, apply, lambda: params)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
     realized = lambda base: completion.mean_kl(
         model, base, completion.forward(model, {'params': new_params}, kl_batch, sc.prompt_len),
