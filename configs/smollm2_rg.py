@@ -5,6 +5,9 @@ Command:
   python experiments/train.py --config=configs/smollm2_rg.py --workdir=runs/smollm2_rg
 Dense-AdamW twin (the baseline, TRL's learning rate):
   python experiments/train.py --config=configs/smollm2_rg.py:adam --workdir=runs/smollm2_rg_adam
+On one vLLM server (started first with third_party/vllm/serve, docs/bridge.md):
+  LOGRA_BRIDGE_TOKEN=... python experiments/train.py --config=configs/smollm2_rg.py:vllm \
+      --workdir=runs/smollm2_rg_vllm
 Smoke variant (2 prompts x 2 samples, 8 new tokens, 2 steps; checks the pipeline, learns nothing):
   python experiments/train.py --config=configs/smollm2_rg.py:smoke --workdir=/tmp/smol_smoke
 
