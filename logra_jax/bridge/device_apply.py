@@ -45,11 +45,12 @@ def slots(config: ModelConfig) -> dict:
 
 def hf_views(master: dict, config: ModelConfig) -> dict:
   """{HF name: float32 numpy (out, in)} of a master tree (one host copy)."""
-  out = {}
+  host, out = jax.device_get(master), {}
   for name, s in slots(config).items():
-    leaf = np.asarray(jax.device_get(master[s.path]))
-    x = leaf[s.layer] if s.layer is not None else leaf
+    x = np.asarray(host[s.path])
+    x = x[s.layer] if s.layer is not None else x
     out[name] = np.ascontiguousarray(x.T if s.transpose else x)
+    out[name].setflags(write=False)  # shared by every caller until the next commit
   return out
 
 
@@ -108,21 +109,22 @@ def draw_projections(update, groups, d_in: dict) -> list:
 
 
 def _add_lowrank(owned, shared, a_list, u_list, *, plan):
-  """New leaves K[l] + A_lᵀ U_lᵀ, and per group (n,) flags: ΔW and the new W finite."""
+  """New leaves K[l] + A_lᵀ U_lᵀ, and per group (n,) flags: the new W finite (W is finite, so
+  this also says ΔW = U @ A is)."""
   leaves, flags = {**shared, **owned}, []
   for (key, layers, full), a_NxRxK, u_NxDxR in zip(plan, a_list, u_list):
     delta_NxKxD = jnp.einsum('nrk,ndr->nkd', a_NxRxK, u_NxDxR, precision=HIGHEST)
     leaf = leaves[key]
     if full:  # every layer, in order: one add
       leaf = leaf + delta_NxKxD
-      new_NxKxD = leaf
+      flags.append(jnp.all(jnp.isfinite(leaf), axis=(1, 2)))
     else:
+      ok = []
       for n, l in enumerate(layers):
         leaf = leaf.at[l].add(delta_NxKxD[n])
-      new_NxKxD = leaf[np.asarray(layers)]
+        ok.append(jnp.all(jnp.isfinite(leaf[l])))
+      flags.append(jnp.stack(ok))
     leaves[key] = leaf
-    flags.append((jnp.all(jnp.isfinite(delta_NxKxD), axis=(1, 2)),
-                  jnp.all(jnp.isfinite(new_NxKxD), axis=(1, 2))))
   return leaves, flags
 
 
@@ -130,7 +132,7 @@ _ADD = jax.jit(_add_lowrank, static_argnames=('plan',), donate_argnums=(0,))
 
 
 def apply_lowrank(master: dict, owned: set, update, groups, a_list) -> tuple:
-  """({path: new leaf} for the touched leaves, [(delta_ok, new_ok) bool (n,) per group]).
+  """({path: new leaf} for the touched leaves, [bool (n,) per group: W + U @ A finite]).
 
   ``owned``: paths whose master leaf the caller owns (donated: invalid afterwards).
   """
@@ -150,6 +152,8 @@ def apply_lowrank(master: dict, owned: set, update, groups, a_list) -> tuple:
 
 @functools.partial(jax.jit, static_argnames=('transpose',))
 def _assemble(values, *, transpose):
+  """One leaf from a tensor or a list of per-layer tensors (HF layout when ``transpose``)."""
+  values = jnp.stack(values) if isinstance(values, (list, tuple)) else values
   return jnp.swapaxes(values, -1, -2) if transpose else values
 
 
@@ -174,11 +178,11 @@ def apply_full(master: dict, owned: set, tensors: dict, slot_of: dict) -> dict:
   for path, items in by_path.items():
     items.sort(key=lambda t: -1 if t[0] is None else t[0])
     layers = None if items[0][0] is None else tuple(l for l, _, _ in items)
-    values = tensors[items[0][1]] if layers is None else np.stack(
-        [tensors[n] for _, n, _ in items])
     transpose, leaf = items[0][2], master[path]
+    values = jax.device_put(tensors[items[0][1]] if layers is None
+                            else [tensors[n] for _, n, _ in items], leaf.sharding)
     if layers is None or layers == tuple(range(leaf.shape[0])):
-      out[path] = _assemble(jax.device_put(values, leaf.sharding), transpose=transpose)
+      out[path] = _assemble(values, transpose=transpose)
     else:
       put = _SET_OWNED if path in owned else _SET_SHARED
       out[path] = put(leaf, values, layers=layers, transpose=transpose)

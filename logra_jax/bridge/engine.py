@@ -30,6 +30,11 @@ from logra_jax.train.rollout import JaxGenerator
 PAUSE_MODES = ('abort', 'wait', 'keep')
 
 
+def _sharding(x):
+  return x.sharding if isinstance(x, jax.Array) else jax.sharding.SingleDeviceSharding(
+      jax.devices()[0])
+
+
 class EngineError(Exception):
   """A refused call: HTTP ``status`` and a message."""
 
@@ -53,12 +58,14 @@ class JaxEngine:
     self.config, self.pad_id = config, pad_id
     flat = traverse_util.flatten_dict(params)
     self._dtypes = {p: jnp.dtype(v.dtype) for p, v in flat.items()}
-    # A copy: the caller's params may be donated later (the trainer's step does).
-    self._master = {p: jnp.array(v, jnp.float32, copy=True) for p, v in flat.items()}
+    # A copy (the caller's params may be donated later: the trainer's step does), committed
+    # to its device like every leaf an update makes, so the sampler never retraces.
+    self._master = {p: jax.device_put(jnp.array(v, jnp.float32, copy=True), _sharding(v))
+                    for p, v in flat.items()}
     self._slots = device_apply.slots(config)
     self.spec = {n: self._hf_shape(s) for n, s in self._slots.items()}
     self._version = version
-    self._gen = self._generator(self._master, set(self._master), None, version)
+    self._gen, self._served = self._generator(self._master, set(self._master), None, version)
     self._hf_cache = (None, None)
     self._xfer = threading.Lock()  # serialises start / update / finish
     self.timings: dict = {}
@@ -78,6 +85,12 @@ class JaxEngine:
               'update_in_progress': self._session is not None, 'num_tensors': len(self.spec),
               'last_update': dict(self.timings)}
 
+  @property
+  def params(self):
+    """The served params tree, what the sampler runs on (do not modify or donate it)."""
+    with self._cond:
+      return self._gen.params
+
   def master_weights(self) -> dict:
     """The served fp32 weights {HF name: numpy (out, in)}, copied to the host on first call
     per version (a snapshot; do not modify)."""
@@ -94,8 +107,9 @@ class JaxEngine:
                   else self._master[s.path].shape)
     return tuple(reversed(shape)) if s.transpose else shape
 
-  def _generator(self, master, touched, previous, version) -> JaxGenerator:
-    """A sampler over ``master`` in the served dtypes (leaves not ``touched`` are reused)."""
+  def _generator(self, master, touched, previous, version) -> tuple:
+    """(sampler, its flat params) over ``master`` in the served dtypes (the casts of leaves
+    not ``touched`` are reused from ``previous``)."""
     flat = {}
     for p, leaf in master.items():
       if self._dtypes[p] == jnp.float32:
@@ -106,8 +120,7 @@ class JaxEngine:
         flat[p] = previous[p]
     gen = JaxGenerator(self.config, traverse_util.unflatten_dict(flat), version=int(version),
                        pad_id=self.pad_id)
-    gen.flat_params = flat
-    return gen
+    return gen, flat
 
   # --- generation -------------------------------------------------------------------------
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -204,12 +217,11 @@ class JaxEngine:
     self.timings['draw_s'] = time.perf_counter() - start
     # Staged leaves this session made are donated; served ones are only read.
     new, flags = device_apply.apply_lowrank(session.master, session.owned, upd, groups, a_list)
-    for g, (delta_ok, new_ok) in zip(groups, flags):
-      for n, d_ok, w_ok in zip(g.names, delta_ok, new_ok):
-        if not d_ok:
-          raise wire.UpdateError(400, f'tensor {n} (U @ A) has non-finite values')
-        if not w_ok:
-          raise wire.UpdateError(400, f'tensor {n} would become non-finite after the update')
+    for g, ok in zip(groups, flags):
+      for n, finite in zip(g.names, ok):
+        if not finite:
+          raise wire.UpdateError(400, f'tensor {n} would become non-finite after the update '
+                                      '(U @ A or W + U @ A is not finite)')
     self.timings['apply_s'] = time.perf_counter() - start - self.timings['draw_s']
     return new
 
@@ -229,9 +241,10 @@ class JaxEngine:
         raise EngineError(400, f'weight_version {weight_version!r} differs from the updates\' '
                                f'new_version {session.new_version}')
       start = time.perf_counter()
-      gen = self._generator(session.master, session.owned, self._gen.flat_params,
-                            session.new_version)
+      gen, served = self._generator(session.master, session.owned, self._served,
+                                    session.new_version)
       with self._cond:
-        self._master, self._version, self._gen = session.master, session.new_version, gen
+        self._master, self._version = session.master, session.new_version
+        self._gen, self._served = gen, served
       self.timings['commit_s'] = time.perf_counter() - start
       return self._version

@@ -262,7 +262,7 @@ def _decode_full(tensors, spec):
     if x.dtype not in (np.float32, np.float16):
       _refuse(f'tensor {name} has dtype {x.dtype}; full updates are float32 or float16')
     _finite(name, x)
-    out[name] = x.astype(np.float32)
+    out[name] = x.astype(np.float32, copy=False)  # st_load's arrays are ours already
   return out
 
 
