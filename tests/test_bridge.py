@@ -232,6 +232,10 @@ def test_device_apply_equals_float64_w_plus_u_a_touches_only_its_leaves_and_neve
   assert engine.weight_version == '2'
   assert device_apply._ADD._cache_size() == adds  # pylint: disable=protected-access
   assert sampler.generate_arrays._cache_size() == traces  # pylint: disable=protected-access
+  # A full update (the 409 answer) puts host tensors in every leaf: still no retrace.
+  _session(engine, wire.encode_full(w1, 2, 3), version='3')
+  assert engine.generate(req)[0].completion_token_ids == want.completion_token_ids
+  assert sampler.generate_arrays._cache_size() == traces  # pylint: disable=protected-access
 
 
 def test_staged_leaves_never_alias_served_ones_a_generation_in_flight_keeps_its_weights():
@@ -275,10 +279,12 @@ def _refusals(engine, tmp_path):
   full = sync.full_blob(_params(), CONFIG, 0, 1)
   full_t, full_m = wire.read_blob(full)
   full_nan = dict(full_t, **{'model.norm.weight': full_t['model.norm.weight'] * np.inf})
+  overflow = dict(tensors, **{name + '.U': np.full_like(tensors[name + '.U'], 3e38)})
   return [
       ('not safetensors', b'\x00' * 64, 400),
       ('truncated', good[:len(good) // 2], 400),
       ('non-finite U', save(nan, metadata=meta), 400),
+      ('finite U whose U @ A overflows', save(overflow, metadata=meta), 400),
       ('wrong shape', save(wrong_shape, metadata=meta), 400),
       ('unknown name', save(unknown, metadata=meta), 400),
       ('part of a fused group', save(partial, metadata=meta), 400),
