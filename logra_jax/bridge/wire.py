@@ -14,6 +14,8 @@ projection, u_dtype, A_sha256 (JSON {name: checksum}). `decode` validates everyt
 shapes, dtypes, finiteness, checksums, versions, whole fused groups — before the caller
 touches a weight, and raises `UpdateError(status, message)` (400 malformed, 409 a low-rank
 update for another base version: the sender then sends full weights, which need no base).
+A receiver that forms U @ A itself (the JAX engine, on device) calls `parse`, rebuilds the
+A's, passes them to `check_projections` and checks W + U @ A finite before it commits.
 """
 import dataclasses
 import json
