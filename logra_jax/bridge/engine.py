@@ -246,5 +246,6 @@ class JaxEngine:
       with self._cond:
         self._master, self._version = session.master, session.new_version
         self._gen, self._served = gen, served
+        self._hf_cache = (None, None)  # the host copy of the old version, if any, goes
       self.timings['commit_s'] = time.perf_counter() - start
       return self._version
