@@ -12,7 +12,7 @@ SmolLM2-135M in fp32): the embedded JAX engine and a real vLLM server
 (`third_party/vllm/serve`, its own environment, stopped by its process id) each receive
 ``--updates`` full and ``--updates`` low-rank updates through the trainer's fleet client
 (pause → start → update → finish → resume); medians of the bytes, the wall time per update
-and the server's own phases: on vLLM the reload (`logra_status.last_apply_s`), on the JAX
+and the server's own phases: on vLLM its apply (`logra_status.last_apply_s`), on the JAX
 engine read / parse / draw / apply / commit (`/weight_info` `last_update`); the client's write
 of the blob file is timed apart (``write_s``).
 Part 3 (drift): ``--drift_updates`` low-rank updates without a full-weight anchor go to both
@@ -156,11 +156,13 @@ def write_s(blob: bytes) -> float:
     os.unlink(path)
 
 
-def time_updates(url: str, weights: dict, rank: int, updates: int, phases=None) -> dict:
+def time_updates(url: str, weights: dict, rank: int, updates: int, apply_s=None,
+                 phases=None) -> dict:
   """Medians over ``updates`` full and ``updates`` low-rank pushes to one server.
 
-  ``phases()``: {phase: seconds} of the server's last update (what its engine spent
-  applying it), recorded per kind; ``<kind>_write_s`` is the client writing the blob file.
+  ``apply_s()``: seconds the server's engine spent applying its last update (vLLM);
+  ``phases()``: {phase: seconds} of it (the JAX engine); both recorded per kind as
+  ``<kind>_<phase>``. ``<kind>_write_s`` is the client writing the blob file.
   """
   fleet = Fleet([url], TOKEN)
   version = int(ServerClient(url, TOKEN).call('GET', '/weight_info')['weight_version'])
@@ -181,7 +183,10 @@ def time_updates(url: str, weights: dict, rank: int, updates: int, phases=None) 
         fleet.push(blob, version, full_blob=lambda: None)
         out.setdefault(f'{kind}_s', []).append(time.perf_counter() - start)
         out.setdefault(f'{kind}_bytes', []).append(len(blob))
-        for phase, seconds in (phases() if phases is not None else {}).items():
+        got = dict(phases() if phases is not None else {})
+        if apply_s is not None:
+          got['apply_s'] = apply_s()
+        for phase, seconds in got.items():
           out.setdefault(f'{kind}_{phase}', []).append(seconds)
   finally:
     fleet.close()
@@ -280,7 +285,7 @@ def print_measured(name: str, m: dict, rank: int, updates: int):
 def _applied(m: dict) -> str:
   """The server's own apply figure: the JAX engine's validate + apply + commit, vLLM's reload
   (its `last_apply_s`; it validates before that)."""
-  return 'engine_s' if 'full_engine_s' in m else 'reload_s'
+  return 'engine_s' if 'full_engine_s' in m else 'apply_s'
 
 
 def main(argv):
@@ -311,9 +316,8 @@ def main(argv):
       readers['jax_engine'] = lambda trainer: _rel(trainer, engine.master_weights())
     del model  # the servers hold the weights
     if _VLLM.value and timed:
-      measured['vllm'] = time_updates(
-          vllm_url, weights, _RANK.value, _UPDATES.value,
-          phases=lambda: {'reload_s': _vllm_status(vllm_url)['last_apply_s']})
+      measured['vllm'] = time_updates(vllm_url, weights, _RANK.value, _UPDATES.value,
+                                      apply_s=lambda: _vllm_status(vllm_url)['last_apply_s'])
       print_measured('vLLM (logra engine) over HTTP', measured['vllm'], _RANK.value,
                      _UPDATES.value)
     if vllm_url:
