@@ -12,7 +12,9 @@ SmolLM2-135M in fp32): the embedded JAX engine and a real vLLM server
 (`third_party/vllm/serve`, its own environment, stopped by its process id) each receive
 ``--updates`` full and ``--updates`` low-rank updates through the trainer's fleet client
 (pause → start → update → finish → resume); medians of the bytes, the wall time per update
-and, on vLLM, the time its engine spent applying it (`logra_status.last_apply_s`).
+and the server's own phases: on vLLM its apply (`logra_status.last_apply_s`), on the JAX
+engine read / parse / draw / apply / commit (`/weight_info` `last_update`); the client's write
+of the blob file is timed apart (``write_s``).
 Part 3 (drift): ``--drift_updates`` low-rank updates without a full-weight anchor go to both
 servers at once while a stand-in trainer applies the same steps as LoGRA does (kernel layout,
 XLA fp32: K ← K + Aᵀ U); then ‖W_trainer − W_generator‖ / ‖W_trainer‖ on each server.
@@ -141,15 +143,33 @@ def _lowrank(weights, names, rank, t, rng):
   return factors, blob
 
 
-def time_updates(url: str, weights: dict, rank: int, updates: int, apply_s=None) -> dict:
-  """Medians over ``updates`` full and ``updates`` low-rank pushes to one server."""
+def write_s(blob: bytes) -> float:
+  """Seconds to write ``blob`` where the fleet client puts it (part of every push)."""
+  directory = '/dev/shm' if os.path.isdir('/dev/shm') else tempfile.gettempdir()
+  fd, path = tempfile.mkstemp(prefix='sync-bench-', dir=directory)
+  try:
+    start = time.perf_counter()
+    with os.fdopen(fd, 'wb') as f:
+      f.write(blob)
+    return time.perf_counter() - start
+  finally:
+    os.unlink(path)
+
+
+def time_updates(url: str, weights: dict, rank: int, updates: int, apply_s=None,
+                 phases=None) -> dict:
+  """Medians over ``updates`` full and ``updates`` low-rank pushes to one server.
+
+  ``apply_s()``: seconds the server's engine spent applying its last update (vLLM);
+  ``phases()``: {phase: seconds} of it (the JAX engine); both recorded per kind as
+  ``<kind>_<phase>``. ``<kind>_write_s`` is the client writing the blob file.
+  """
   fleet = Fleet([url], TOKEN)
   version = int(ServerClient(url, TOKEN).call('GET', '/weight_info')['weight_version'])
   fleet.version = version
   names = [n for n in weights if wire.is_projection_weight(n)]
   rng = np.random.default_rng(0)
-  out = {k: [] for k in ('full_s', 'full_apply_s', 'lowrank_s', 'lowrank_apply_s',
-                         'full_bytes', 'lowrank_bytes')}
+  out = {}
   try:
     for kind in ('full', 'lowrank'):
       for _ in range(updates):
@@ -158,15 +178,29 @@ def time_updates(url: str, weights: dict, rank: int, updates: int, apply_s=None)
           blob = wire.encode_full(weights, version - 1, version)
         else:
           blob = _lowrank(weights, names, rank, version, rng)[1]
+        out.setdefault(f'{kind}_write_s', []).append(write_s(blob))
         start = time.perf_counter()
         fleet.push(blob, version, full_blob=lambda: None)
-        out[f'{kind}_s'].append(time.perf_counter() - start)
-        out[f'{kind}_bytes'].append(len(blob))
+        out.setdefault(f'{kind}_s', []).append(time.perf_counter() - start)
+        out.setdefault(f'{kind}_bytes', []).append(len(blob))
+        got = dict(phases() if phases is not None else {})
         if apply_s is not None:
-          out[f'{kind}_apply_s'].append(apply_s())
+          got['apply_s'] = apply_s()
+        for phase, seconds in got.items():
+          out.setdefault(f'{kind}_{phase}', []).append(seconds)
   finally:
     fleet.close()
   return {k: statistics.median(v) for k, v in out.items() if v}
+
+
+def jax_phases(url: str) -> dict:
+  """The JAX engine's last update: read (the blob file), parse (validation without A), draw
+  (A on device, checksums), apply (W + U @ A on device, or the full tensors), commit (swap);
+  ``engine_s`` is their sum without the read: validation, apply and commit."""
+  info = ServerClient(url, TOKEN).call('GET', '/weight_info')['last_update']
+  out = {f'{k}': float(v) for k, v in info.items() if k.endswith('_s')}
+  out['engine_s'] = sum(v for k, v in out.items() if k != 'read_s')
+  return out
 
 
 def _rel(a: dict, b: dict) -> float:
@@ -239,11 +273,19 @@ def print_plan(plan: dict, err: dict):
 
 
 def print_measured(name: str, m: dict, rank: int, updates: int):
-  apply = (f'; engine apply full {m["full_apply_s"]:.2f} s, low-rank {m["lowrank_apply_s"]:.3f} s'
-           if 'full_apply_s' in m else '')
   print(f'{name}: full {m["full_bytes"] / 2**20:.1f} MiB in {m["full_s"]:.2f} s; low-rank rank '
         f'{rank} {m["lowrank_bytes"] / 2**20:.2f} MiB in {m["lowrank_s"]:.2f} s (medians of '
-        f'{updates}){apply}')
+        f'{updates}, end to end)')
+  for kind in ('full', 'lowrank'):
+    parts = {k[len(kind) + 1:]: v for k, v in m.items() if k.startswith(kind + '_')
+             and k.endswith('_s') and k != f'{kind}_s'}
+    print(f'  {kind} phases: ' + ', '.join(f'{k} {v:.3f} s' for k, v in sorted(parts.items())))
+
+
+def _applied(m: dict) -> str:
+  """The server's own apply figure: the JAX engine's validate + apply + commit, vLLM's reload
+  (its `last_apply_s`; it validates before that)."""
+  return 'engine_s' if 'full_engine_s' in m else 'apply_s'
 
 
 def main(argv):
@@ -266,7 +308,8 @@ def main(argv):
       engine = JaxEngine(model.config, model.params)
       server = BridgeServer(engine, TOKEN).start()
       if timed:
-        measured['jax_engine'] = time_updates(server.url, weights, _RANK.value, _UPDATES.value)
+        measured['jax_engine'] = time_updates(server.url, weights, _RANK.value, _UPDATES.value,
+                                              phases=lambda: jax_phases(server.url))
         print_measured('JAX engine over HTTP', measured['jax_engine'], _RANK.value,
                        _UPDATES.value)
       urls.append(server.url)
@@ -299,6 +342,9 @@ def main(argv):
   goals = {'lowrank_fp32_le_10pct_full_bf16_at_7b': plan['7b']['lowrank_fp32_over_full_bf16']
            <= 0.10,
            'lowrank_apply_not_slower_than_full': all(
+               m[f'lowrank_{_applied(m)}'] <= m[f'full_{_applied(m)}']
+               for m in measured.values()),
+           'lowrank_push_not_slower_than_full': all(
                m['lowrank_s'] <= m['full_s'] for m in measured.values()),
            'drift_le_1e-5': all(v <= 1e-5 for k, v in drift.items()
                                 if k in ('jax_engine', 'vllm'))}

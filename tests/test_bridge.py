@@ -16,12 +16,14 @@ import openai
 import pytest
 from hypothesis import strategies as st
 
+from flax import traverse_util
+
 from logra_jax import sketch
-from logra_jax.bridge import sync, wire
+from logra_jax.bridge import device_apply, sync, wire
 from logra_jax.bridge.client import BridgeError, Fleet, ServerClient
 from logra_jax.bridge.engine import EngineError, JaxEngine
 from logra_jax.bridge.server import BridgeServer
-from logra_jax.models import get_preset, hf_io, init_params
+from logra_jax.models import get_preset, hf_io, init_params, sampler
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 from logra_jax.sketch import projection
 from logra_jax.train.rollout import JaxGenerator
@@ -161,6 +163,106 @@ def test_lowrank_update_applies_u_at_a_and_bumps_the_version(served, tmp_path):
   assert v1[0] == '1' and v1[2] != v0[2]
 
 
+def _session(engine, *blobs, version=None):
+  """pause(keep) → start → update(each blob) → finish(version) → resume, in process."""
+  engine.pause('keep')
+  engine.start_update()
+  for blob in blobs:
+    engine.update(blob)
+  engine.finish_update(version)
+  engine.resume()
+
+
+def _some_factors(engine, rng, scale):
+  """U for a whole fused group of one layer (q/k/v of layer 1, rank 4, a partial stacked
+  leaf) and down_proj of every layer (rank 3, a whole leaf): both paths of the device add."""
+  names = {f'model.layers.1.self_attn.{m}.weight': 4 for m in ('q_proj', 'k_proj', 'v_proj')}
+  names.update({f'model.layers.{i}.mlp.down_proj.weight': 3 for i in range(CONFIG.num_layers)})
+  return {n: (scale * rng.normal(size=(engine.spec[n][0], r))).astype(np.float32)
+          for n, r in names.items()}
+
+
+def _encode(engine, u, base, new):
+  return wire.encode_lowrank(u, {n: engine.spec[n][1] for n in u}, seed=7, step=new,
+                             kind='rademacher', base_version=base, new_version=new,
+                             projection=projection)
+
+
+def test_device_apply_equals_float64_w_plus_u_a_touches_only_its_leaves_and_never_retraces():
+  """The fast path: W + U @ A on device equals the float64 reference; leaves the update does
+  not touch are the very same device buffers; neither the apply nor the sampler recompiles
+  on a second update of the same structure."""
+  engine = JaxEngine(CONFIG, _params())
+  req = [GenerationRequest(PROMPT, GREEDY)]
+  engine.generate(req)
+  traces = sampler.generate_arrays._cache_size()  # pylint: disable=protected-access
+  before = traverse_util.flatten_dict(engine.params)
+  w0 = {k: v.astype(np.float64) for k, v in engine.master_weights().items()}
+  rng = np.random.default_rng(0)
+  u = _some_factors(engine, rng, 0.3)
+  _session(engine, _encode(engine, u, 0, 1), version='1')
+  adds = device_apply._ADD._cache_size()  # pylint: disable=protected-access
+  w1 = engine.master_weights()
+  for name, u_n in u.items():
+    r = u_n.shape[1]
+    a = projection.sample_projection(7, 1, name, r, engine.spec[name][1]).astype(np.float64)
+    want = w0[name] + u_n.astype(np.float64) @ a
+    # fp32: the r-term dot errs by at most γ_r·(|U| @ |A|) (γ_r ≈ r·2^-24) and the add
+    # rounds once more (2^-24·|W|); a factor 2 on each covers the second-order terms.
+    bound = 2 * 2.0**-24 * np.abs(want) + 2 * r * 2.0**-24 * (np.abs(u_n) @ np.abs(a))
+    assert np.all(np.abs(w1[name] - want) <= bound), name
+  for name in w0:
+    if name not in u:
+      np.testing.assert_array_equal(w1[name], w0[name].astype(np.float32), err_msg=name)
+  after = traverse_util.flatten_dict(engine.params)
+  touched = {('layers', 'attn', m, 'kernel') for m in ('q_proj', 'k_proj', 'v_proj')}
+  touched.add(('layers', 'mlp', 'down_proj', 'kernel'))
+  assert {p for p in before if after[p] is not before[p]} == touched
+  # The sampler takes the new params without retracing, and runs on the master (fp32: the
+  # same arrays): a sampler built offline from master_weights() gives the same tokens.
+  got = engine.generate(req)[0]
+  assert sampler.generate_arrays._cache_size() == traces  # pylint: disable=protected-access
+  params = hf_io.params_from_hf_tensors(w1.get, set(w1), CONFIG)
+  want = JaxGenerator(CONFIG, jax.tree.map(jax.numpy.asarray, params)).generate(req)[0]
+  assert got.completion_token_ids == want.completion_token_ids
+  np.testing.assert_array_equal(got.behaviour_logprobs, want.behaviour_logprobs)
+  traces = sampler.generate_arrays._cache_size()  # pylint: disable=protected-access
+  _session(engine, _encode(engine, _some_factors(engine, rng, 0.3), 1, 2), version='2')
+  engine.generate(req)
+  assert engine.weight_version == '2'
+  assert device_apply._ADD._cache_size() == adds  # pylint: disable=protected-access
+  assert sampler.generate_arrays._cache_size() == traces  # pylint: disable=protected-access
+  # A full update (the 409 answer) puts host tensors in every leaf: still no retrace.
+  _session(engine, wire.encode_full(w1, 2, 3), version='3')
+  assert engine.generate(req)[0].completion_token_ids == want.completion_token_ids
+  assert sampler.generate_arrays._cache_size() == traces  # pylint: disable=protected-access
+
+
+def test_staged_leaves_never_alias_served_ones_a_generation_in_flight_keeps_its_weights():
+  """Two blobs in one session (the second donates the leaves the first staged), committed:
+  the params a request in flight holds (pause mode keep) are neither deleted nor changed;
+  a failed session leaves the served buffers themselves in place."""
+  engine = JaxEngine(CONFIG, _params())
+  rng = np.random.default_rng(1)
+  held = traverse_util.flatten_dict(engine.params)  # what an in-flight generate() holds
+  held_bytes = {p: np.asarray(v).tobytes() for p, v in held.items()}
+  first, second = (_encode(engine, _some_factors(engine, rng, 0.1), 0, 1) for _ in range(2))
+  _session(engine, first, second, version='1')
+  for p, leaf in held.items():
+    assert not leaf.is_deleted() and np.asarray(leaf).tobytes() == held_bytes[p], p
+  served = traverse_util.flatten_dict(engine.params)
+  engine.pause('keep')
+  engine.start_update()
+  engine.update(_encode(engine, _some_factors(engine, rng, 0.1), 1, 2))
+  with pytest.raises(EngineError):
+    engine.update(b'junk')
+  engine.finish_update(None)
+  engine.resume()
+  now = traverse_util.flatten_dict(engine.params)
+  assert all(now[p] is served[p] and not served[p].is_deleted() for p in served)
+  assert engine.weight_version == '1'
+
+
 def _refusals(engine, tmp_path):
   """(description, update_info or blob, expected status) for every kind of refusal."""
   good = _lowrank(engine, 0, 1)
@@ -177,10 +279,12 @@ def _refusals(engine, tmp_path):
   full = sync.full_blob(_params(), CONFIG, 0, 1)
   full_t, full_m = wire.read_blob(full)
   full_nan = dict(full_t, **{'model.norm.weight': full_t['model.norm.weight'] * np.inf})
+  overflow = dict(tensors, **{name + '.U': np.full_like(tensors[name + '.U'], 3e38)})
   return [
       ('not safetensors', b'\x00' * 64, 400),
       ('truncated', good[:len(good) // 2], 400),
       ('non-finite U', save(nan, metadata=meta), 400),
+      ('finite U whose U @ A overflows', save(overflow, metadata=meta), 400),
       ('wrong shape', save(wrong_shape, metadata=meta), 400),
       ('unknown name', save(unknown, metadata=meta), 400),
       ('part of a fused group', save(partial, metadata=meta), 400),

@@ -1,28 +1,38 @@
 """The embedded JAX engine behind the bridge routes: sampling, pause/resume, weight transfer.
 
-Weights live as an fp32 master copy keyed by HF tensor name (`hf_io.hf_tensors`); the sampler
-reads an immutable snapshot (params + version) taken when a request starts, and an update
-session stages a new copy that `finish` swaps in at once, so a completion's reported version is
-always the one that produced it and no request ever sees half an update.
+Weights live on device as an fp32 master tree in our layout (`device_apply`); the served params
+are that tree (cast per leaf to the dtype the engine was given, when it is not float32). The
+sampler reads an immutable snapshot (params + version) taken when a request starts; an update
+session stages new leaves for the touched tensors only (copy-on-write: a served buffer is never
+written or donated) and `finish` swaps them in at once, so a completion's reported version is
+always the one that produced it and no request ever sees half an update. The compiled sampler
+is shared by every version (same shapes and dtypes: no retrace).
 
 Lifecycle (vLLM's): pause → start → update (repeatable) → finish(version) → resume. A refused
 update marks the session failed; `finish` without a version then discards it.
 """
 import dataclasses
 import threading
+import time
 from typing import Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
-from logra_jax.bridge import wire
-from logra_jax.models import hf_io
+from logra_jax.bridge import device_apply, wire
 from logra_jax.models.config import ModelConfig
 from logra_jax.rl.types import GenerationRequest, GenerationResult
 from logra_jax.sketch import projection
 from logra_jax.train.rollout import JaxGenerator
 
 PAUSE_MODES = ('abort', 'wait', 'keep')
+
+
+def _sharding(x):
+  return x.sharding if isinstance(x, jax.Array) else jax.sharding.SingleDeviceSharding(
+      jax.devices()[0])
 
 
 class EngineError(Exception):
@@ -35,7 +45,8 @@ class EngineError(Exception):
 
 @dataclasses.dataclass
 class _Session:
-  master: dict
+  master: dict  # {path: fp32 leaf}: the served leaves, replaced by staged ones when touched
+  owned: set = dataclasses.field(default_factory=set)  # staged paths (safe to donate)
   new_version: Optional[str] = None
   failed: Optional[str] = None
 
@@ -45,11 +56,19 @@ class JaxEngine:
 
   def __init__(self, config: ModelConfig, params, pad_id: int = 0, version: str = '0'):
     self.config, self.pad_id = config, pad_id
-    self._master = {k: np.asarray(v, np.float32) for k, v in hf_io.hf_tensors(params,
-                                                                               config).items()}
-    self.spec = {k: v.shape for k, v in self._master.items()}
-    self._gen = JaxGenerator(config, params, version=int(version), pad_id=pad_id)
+    flat = traverse_util.flatten_dict(params)
+    self._dtypes = {p: jnp.dtype(v.dtype) for p, v in flat.items()}
+    # A copy (the caller's params may be donated later: the trainer's step does), committed
+    # to its device like every leaf an update makes, so the sampler never retraces.
+    self._master = {p: jax.device_put(jnp.array(v, jnp.float32, copy=True), _sharding(v))
+                    for p, v in flat.items()}
+    self._slots = device_apply.slots(config)
+    self.spec = {n: self._hf_shape(s) for n, s in self._slots.items()}
     self._version = version
+    self._gen, self._served = self._generator(self._master, set(self._master), None, version)
+    self._hf_cache = (None, None)
+    self._xfer = threading.Lock()  # serialises start / update / finish
+    self.timings: dict = {}
     self._cond = threading.Condition()
     self._paused, self._in_flight, self._abort_epoch = False, 0, 0
     self._session: Optional[_Session] = None
@@ -63,11 +82,45 @@ class JaxEngine:
   def info(self) -> dict:
     with self._cond:
       return {'weight_version': self._version, 'paused': self._paused,
-              'update_in_progress': self._session is not None, 'num_tensors': len(self.spec)}
+              'update_in_progress': self._session is not None, 'num_tensors': len(self.spec),
+              'last_update': dict(self.timings)}
+
+  @property
+  def params(self):
+    """The served params tree, what the sampler runs on (do not modify or donate it)."""
+    with self._cond:
+      return self._gen.params
 
   def master_weights(self) -> dict:
-    """The served weights {HF name: float32 array} (a snapshot; do not modify)."""
-    return self._master
+    """The served fp32 weights {HF name: numpy (out, in)}, copied to the host on first call
+    per version (a snapshot; do not modify)."""
+    with self._cond:
+      master = self._master
+    cached_master, views = self._hf_cache
+    if cached_master is not master:
+      views = device_apply.hf_views(master, self.config)
+      self._hf_cache = (master, views)
+    return views
+
+  def _hf_shape(self, s) -> tuple:
+    shape = tuple(self._master[s.path].shape[1:] if s.layer is not None
+                  else self._master[s.path].shape)
+    return tuple(reversed(shape)) if s.transpose else shape
+
+  def _generator(self, master, touched, previous, version) -> tuple:
+    """(sampler, its flat params) over ``master`` in the served dtypes (the casts of leaves
+    not ``touched`` are reused from ``previous``)."""
+    flat = {}
+    for p, leaf in master.items():
+      if self._dtypes[p] == jnp.float32:
+        flat[p] = leaf
+      elif p in touched or previous is None:
+        flat[p] = leaf.astype(self._dtypes[p])
+      else:
+        flat[p] = previous[p]
+    gen = JaxGenerator(self.config, traverse_util.unflatten_dict(flat), version=int(version),
+                       pad_id=self.pad_id)
+    return gen, flat
 
   # --- generation -------------------------------------------------------------------------
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -110,7 +163,7 @@ class JaxEngine:
     self.transfer_info = dict(init_info or {})
 
   def start_update(self):
-    with self._cond:
+    with self._xfer, self._cond:
       if not self._paused:
         raise EngineError(400, 'call /pause before /start_weight_update')
       if self._session is not None:
@@ -118,8 +171,8 @@ class JaxEngine:
       self._session = _Session(dict(self._master))
 
   def update(self, blob: bytes):
-    """Validates ``blob`` fully, then applies it to the staged copy (never to served weights)."""
-    with self._cond:
+    """Validates ``blob`` fully, then applies it to the staged leaves (never to served ones)."""
+    with self._xfer:
       session = self._session
       if session is None:
         raise EngineError(400, 'call /start_weight_update before /update_weights')
@@ -127,20 +180,56 @@ class JaxEngine:
         raise EngineError(400, f'this update session already failed ({session.failed}): '
                                'finish it without a version')
       try:
-        upd = wire.decode(blob, self.spec, self._version, projection)
+        start = time.perf_counter()
+        upd = wire.parse(blob, self.spec, self._version)
         if session.new_version not in (None, upd.new_version):
           raise wire.UpdateError(400, f'new_version {upd.new_version} differs from this '
                                       f"session's {session.new_version}")
+        self.timings = {'kind': upd.kind, 'parse_s': time.perf_counter() - start}
+        new = self._stage(session, upd)
       except wire.UpdateError as e:
         session.failed = str(e)
         raise EngineError(e.status, str(e)) from None
-      session.master.update(wire.apply(session.master, upd))
+      except BaseException:
+        session.failed = 'the update failed while it was applied to the staged copy'
+        raise
+      session.master.update(new)
+      session.owned |= set(new)
       session.new_version = upd.new_version
+
+  def _stage(self, session: _Session, upd: wire.Update) -> dict:
+    """{path: new staged leaf}; raises UpdateError before returning anything unchecked."""
+    start = time.perf_counter()
+    if upd.kind == 'full':
+      new = device_apply.apply_full(session.master, session.owned, upd.tensors, self._slots)
+      jax.block_until_ready(new)
+      self.timings['apply_s'] = time.perf_counter() - start
+      return new
+    groups = device_apply.lowrank_groups(upd, self._slots)
+    d_in = {n: self.spec[n][1] for n in upd.factors}
+    try:
+      a_list = device_apply.draw_projections(upd, groups, d_in)
+    except ValueError as e:
+      wire.refuse_rebuild(groups[0].names[0], e)
+    host = jax.device_get(a_list)  # the A's the engine applies, checked against A_sha256
+    wire.check_projections(upd, {n: a[i] for g, a in zip(groups, host)
+                                 for i, n in enumerate(g.names)}, projection)
+    self.timings['draw_s'] = time.perf_counter() - start
+    # Staged leaves this session made are donated; served ones are only read.
+    new, flags = device_apply.apply_lowrank(session.master, session.owned, upd, groups, a_list)
+    for g, ok in zip(groups, flags):
+      for n, finite in zip(g.names, ok):
+        if not finite:
+          raise wire.UpdateError(400, f'tensor {n} would become non-finite after the update '
+                                      '(U @ A or W + U @ A is not finite)')
+    self.timings['apply_s'] = time.perf_counter() - start - self.timings['draw_s']
+    return new
 
   def finish_update(self, weight_version: Optional[str] = None) -> str:
     """Commits the staged weights as ``weight_version``; without one, discards them."""
-    with self._cond:
-      session, self._session = self._session, None
+    with self._xfer:
+      with self._cond:
+        session, self._session = self._session, None
       if session is None:
         raise EngineError(400, 'no weight update in progress')
       if weight_version is None:
@@ -151,14 +240,12 @@ class JaxEngine:
       if str(weight_version) != session.new_version:
         raise EngineError(400, f'weight_version {weight_version!r} differs from the updates\' '
                                f'new_version {session.new_version}')
-      self._commit(session.master, session.new_version)
+      start = time.perf_counter()
+      gen, served = self._generator(session.master, session.owned, self._served,
+                                    session.new_version)
+      with self._cond:
+        self._master, self._version = session.master, session.new_version
+        self._gen, self._served = gen, served
+        self._hf_cache = (None, None)  # the host copy of the old version, if any, goes
+      self.timings['commit_s'] = time.perf_counter() - start
       return self._version
-
-  def _commit(self, master: dict, version: str):
-    get = lambda name: master[name]
-    params = hf_io.params_from_hf_tensors(get, set(master), self.config,
-                                          dtype=self.config.param_dtype)
-    params = jax.tree.map(jax.numpy.asarray, params)
-    self._master, self._version = master, version
-    self._gen = JaxGenerator(self.config, params, version=int(version), pad_id=self.pad_id)
-

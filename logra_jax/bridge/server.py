@@ -240,9 +240,12 @@ def _completions(srv, body, query):
 
 def _update(srv, body, query):
   del query
+  start = time.perf_counter()
   blob = read_update_blob(body.get('update_info'), srv.max_update_bytes, srv.update_dirs,
                           srv.token)
+  read_s = time.perf_counter() - start
   srv.engine.update(blob)
+  srv.engine.timings['read_s'] = read_s
   return {'status': 'ok'}
 
 

@@ -14,6 +14,8 @@ projection, u_dtype, A_sha256 (JSON {name: checksum}). `decode` validates everyt
 shapes, dtypes, finiteness, checksums, versions, whole fused groups — before the caller
 touches a weight, and raises `UpdateError(status, message)` (400 malformed, 409 a low-rank
 update for another base version: the sender then sends full weights, which need no base).
+A receiver that forms U @ A itself (the JAX engine, on device) calls `parse`, rebuilds the
+A's, passes them to `check_projections` and checks W + U @ A finite before it commits.
 """
 import dataclasses
 import json
@@ -41,12 +43,31 @@ class UpdateError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Factor:
+  """One validated low-rank factor: ``u`` (d_out, r) float32, finite; ``a`` (r, d_in) float32 if
+  it was sent, else None (rebuilt from the derivation); ``checksum``: its A_sha256 entry."""
+  u: np.ndarray
+  a: Optional[np.ndarray]
+  rank: int
+  checksum: Optional[str]
+
+
+@dataclasses.dataclass(frozen=True)
 class Update:
-  """A validated update: new tensors (full) or dense deltas U @ A (lowrank), float32."""
+  """A validated update: new tensors (full) or dense deltas U @ A (lowrank), float32.
+
+  `parse` leaves a low-rank update as ``factors`` (``tensors`` empty) with its derivation
+  (``seed``, ``step``, ``projection``): the receiver rebuilds every A, checks it with
+  `check_projections`, and checks U @ A finite, before it applies anything.
+  """
   kind: str
   base_version: str
   new_version: str
   tensors: Mapping[str, np.ndarray]  # full: the new value; lowrank: the delta to add
+  factors: Mapping[str, Factor] = dataclasses.field(default_factory=dict)
+  seed: int = 0
+  step: int = 0
+  projection: str = ''
 
 
 # --- low-precision U ------------------------------------------------------------------------
@@ -243,7 +264,7 @@ def _decode_full(tensors, spec):
     if x.dtype not in (np.float32, np.float16):
       _refuse(f'tensor {name} has dtype {x.dtype}; full updates are float32 or float16')
     _finite(name, x)
-    out[name] = x.astype(np.float32)
+    out[name] = x.astype(np.float32, copy=False)  # st_load's arrays are ours already
   return out
 
 
@@ -276,11 +297,11 @@ def _split_lowrank(tensors, spec):
   return parts
 
 
-def _lowrank_delta(name, part, shape, seed, step, kind, u_dtype, sums, rank, projection):
+def _lowrank_factor(name, part, shape, u_dtype, checksum, rank):
   d_out, d_in = shape
   if 'U' not in part:
     _refuse(f'{name}: a low-rank update needs {name}.U')
-  if not isinstance(rank, int) or not 1 <= rank <= d_in:
+  if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= d_in:
     _refuse(f'{name}: rank {rank!r} (metadata ranks) must be an integer in [1, {d_in}]')
   stored, scale = part['U'], part.get('U.scale')
   cols = (rank + 1) // 2 if u_dtype == 'int4' else rank
@@ -294,30 +315,20 @@ def _lowrank_delta(name, part, shape, seed, step, kind, u_dtype, sums, rank, pro
     _refuse(f'{name}.U.scale must be float32 ({d_out},) exactly when u_dtype is fp8-e4m3 or int4')
   if needs_scale:
     _finite(f'{name}.U.scale', scale)
-  u = dequantize_u(stored, scale, u_dtype, rank)
+  u = np.asarray(dequantize_u(stored, scale, u_dtype, rank), np.float32)
   _finite(f'{name}.U', u)
-  if 'A' in part:
-    a = part['A']
+  a = part.get('A')
+  if a is not None:
     if a.dtype != np.float32 or a.shape != (rank, d_in):
       _refuse(f'{name}.A must be float32 ({rank}, {d_in}), got {a.dtype} {tuple(a.shape)}')
     _finite(f'{name}.A', a)
-  else:
-    try:
-      a = projection.sample_projection(seed, step, name, rank, d_in, kind)
-    except ValueError as e:
-      _refuse(f'{name}: cannot rebuild A: {e}')
-  if sums.get(name) != projection.projection_checksum(a):
-    _refuse(f'{name}: A checksum mismatch (sent {sums.get(name)!r}): the projection derivation, '
-            'seed, step or name differ between trainer and generator')
-  return u @ a.astype(np.float32)
+  return Factor(u, a, rank, checksum if isinstance(checksum, str) else None)
 
 
-def decode(blob: bytes, spec: Mapping[str, tuple], current_version, projection) -> Update:
-  """Validates a blob against the generator's tensors ``spec`` {HF name: shape}.
-
-  Returns an `Update` whose tensors are float32 and finite; raises `UpdateError` before any
-  weight is touched. ``projection``: `logra_jax/sketch/projection.py` as a module.
-  """
+def parse(blob: bytes, spec: Mapping[str, tuple], current_version) -> Update:
+  """Validates everything of a blob that needs no A: format, kind, versions, names, shapes,
+  dtypes, finiteness of the tensors, U and scales, whole fused groups. A low-rank update comes
+  back as ``factors``; `check_projections` must pass before any of it is applied."""
   tensors, meta = read_blob(blob)
   if meta.get('format') != FORMAT:
     _refuse(f'metadata format must be {FORMAT!r}, got {meta.get("format")!r}')
@@ -326,17 +337,63 @@ def decode(blob: bytes, spec: Mapping[str, tuple], current_version, projection) 
   _check_versions(meta, current_version)
   if not tensors:
     _refuse('update blob holds no tensors')
+  versions = (meta['kind'], meta['base_version'], meta['new_version'])
   if meta['kind'] == 'full':
     out = _decode_full(tensors, spec)
-  else:
-    seed, step, kind, u_dtype, sums, ranks = _lowrank_meta(meta)
-    parts = _split_lowrank(tensors, spec)
-    out = {name: _lowrank_delta(name, part, tuple(spec[name]), seed, step, kind, u_dtype, sums,
-                                ranks.get(name), projection) for name, part in parts.items()}
-    for name, delta in out.items():
-      _finite(f'{name} (U @ A)', delta)
-  _check_groups(out, spec)
-  return Update(meta['kind'], meta['base_version'], meta['new_version'], out)
+    _check_groups(out, spec)
+    return Update(*versions, out)
+  seed, step, kind, u_dtype, sums, ranks = _lowrank_meta(meta)
+  factors = {name: _lowrank_factor(name, part, tuple(spec[name]), u_dtype, sums.get(name),
+                                   ranks.get(name))
+             for name, part in _split_lowrank(tensors, spec).items()}
+  _check_groups(factors, spec)
+  return Update(*versions, {}, factors, seed, step, kind)
+
+
+def rebuild_projections(update: Update, spec: Mapping[str, tuple], projection) -> dict:
+  """{name: A} of a parsed low-rank update: the sent A, else `projection.sample_projection`."""
+  out = {}
+  for name, f in update.factors.items():
+    if f.a is not None:
+      out[name] = f.a
+      continue
+    try:
+      out[name] = projection.sample_projection(update.seed, update.step, name, f.rank,
+                                               spec[name][1], update.projection)
+    except ValueError as e:
+      refuse_rebuild(name, e)
+  return out
+
+
+def refuse_rebuild(name: str, error: Exception):
+  _refuse(f'{name}: cannot rebuild A: {error}')
+
+
+def check_projections(update: Update, a_by_name: Mapping[str, np.ndarray], projection):
+  """400 unless every factor's A (host array) matches its A_sha256 checksum."""
+  for name, f in update.factors.items():
+    if f.checksum is None or f.checksum != projection.projection_checksum(a_by_name[name]):
+      _refuse(f'{name}: A checksum mismatch (sent {f.checksum!r}): the projection derivation, '
+              'seed, step or name differ between trainer and generator')
+
+
+def decode(blob: bytes, spec: Mapping[str, tuple], current_version, projection) -> Update:
+  """Validates a blob against the generator's tensors ``spec`` {HF name: shape}.
+
+  Returns an `Update` whose tensors are float32 and finite (low-rank: the dense deltas U @ A);
+  raises `UpdateError` before any weight is touched. ``projection``:
+  `logra_jax/sketch/projection.py` as a module.
+  """
+  update = parse(blob, spec, current_version)
+  if update.kind == 'full':
+    return update
+  a_by_name = rebuild_projections(update, spec, projection)
+  check_projections(update, a_by_name, projection)
+  out = {}
+  for name, f in update.factors.items():
+    out[name] = f.u @ np.asarray(a_by_name[name], np.float32)
+    _finite(f'{name} (U @ A)', out[name])
+  return dataclasses.replace(update, tensors=out, factors={})
 
 
 def apply(weights: Mapping[str, np.ndarray], update: Update) -> dict:
