@@ -205,12 +205,17 @@ def _vocab(tokenizer):
   return tokenizer.vocab_size if isinstance(tokenizer, data.CharTokenizer) else len(tokenizer)
 
 
+def warm_start_line(steps: int, loss: float, source: str = '') -> str:
+  """The warm start's log line (``source``: where a cached one came from)."""
+  return (f'supervised warm start: {steps} steps of cross-entropy on the training answers '
+          f'(final loss {loss:.3f}{source}); RL starts from this model')
+
+
 def warm_start(cfg: TrainConfig, task: Task, model, params, log=print):
   """The supervised warm start on the training split (the tiny default uses it)."""
   w = cfg.warm_start
   batch = data.warm_start_batch(task.train_records, task.tokenizer)
   params, loss = sft.warm_start(model, params, batch, w.steps, w.learning_rate, w.batch_size,
                                 cfg.seed)
-  log(f'supervised warm start: {w.steps} steps of cross-entropy on the training answers '
-      f'(final loss {loss:.3f}); RL starts from this model')
+  log(warm_start_line(w.steps, loss))
   return params

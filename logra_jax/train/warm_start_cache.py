@@ -106,12 +106,6 @@ def save(path: str, params, loss: float):
   os.replace(tmp, path)  # concurrent writers of one key write the same bytes: either wins
 
 
-def _line(steps: int, loss: float, source: str = '') -> str:
-  """The warm start's log line (as `tasks.warm_start` writes it; ``source`` if cached)."""
-  return (f'supervised warm start: {steps} steps of cross-entropy on the training answers '
-          f'(final loss {loss:.3f}{source}); RL starts from this model')
-
-
 def warm_start(cfg, task, model, params, log=print):
   """`tasks.warm_start`, through the cache in $LOGRA_WARM_START_CACHE when it is set."""
   directory = os.environ.get(ENV, '')
@@ -122,12 +116,12 @@ def warm_start(cfg, task, model, params, log=print):
   path = os.path.join(directory, cache_key(cfg, model, params, batch) + '.npz')
   hit = load(path, params)
   if hit is not None:
-    log(_line(w.steps, hit[1], f'; loaded from {ENV}={directory}'))
+    log(tasks.warm_start_line(w.steps, hit[1], f'; loaded from {ENV}={directory}'))
     return hit[0]
   out, loss = sft.warm_start(model, params, batch, w.steps, w.learning_rate, w.batch_size,
                              cfg.seed)
   if cacheable(params, out):
     os.makedirs(directory, exist_ok=True)
     save(path, out, loss)
-  log(_line(w.steps, loss))
+  log(tasks.warm_start_line(w.steps, loss))
   return out
