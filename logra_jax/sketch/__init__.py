@@ -7,7 +7,8 @@ from logra_jax.sketch.kl import (chunked_kl_coefficient, chunked_mean_kl, effect
                                  finite_difference_kl_at_budget,
                                  finite_difference_kl_coefficient, kl_budget_schedule,
                                  kl_coefficient, logits_and_tangents, mean_kl,
-                                 predicted_kl_coefficient, step_scale)
+                                 position_kl, position_variance, predicted_kl_coefficient,
+                                 step_scale)
 from logra_jax.sketch.projection import (name_hash, projection_checksum, projection_key,
                                          sample_projection)
 from logra_jax.sketch.rank import RankRules, dynamic_rank, heuristic_rank

@@ -21,6 +21,26 @@ def _mask_count(mask):
   return jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def _masked_mean(x, mask):
+  mask = jnp.ones(x.shape, x.dtype) if mask is None else mask.astype(x.dtype)
+  return jnp.sum(x * mask) / _mask_count(mask)
+
+
+def position_variance(logits, logit_tangents, temperature=1.0):
+  """Var_{v∼softmax(z_s/T)}[ż_v(s)] at every position s, (...): q is its masked mean / 2T²."""
+  z, zdot = _acc(logits), _acc(logit_tangents)
+  p = jax.nn.softmax(z / temperature, axis=-1)
+  mean = jnp.sum(p * zdot, axis=-1, keepdims=True)
+  return jnp.sum(p * jnp.square(zdot - mean), axis=-1)
+
+
+def position_kl(logits_p, logits_q, temperature=1.0):
+  """KL(softmax(z_p/T) ‖ softmax(z_q/T)) at every position, (...)."""
+  lp = jax.nn.log_softmax(_acc(logits_p) / temperature, axis=-1)
+  lq = jax.nn.log_softmax(_acc(logits_q) / temperature, axis=-1)
+  return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
+
+
 def kl_coefficient(logits, logit_tangents, temperature=1.0, mask=None):
   """q = 1/(2|P|T²) Σ_{s∈P} Var_{v∼softmax(z_s/T)}[ż_v(s)].
 
@@ -33,21 +53,13 @@ def kl_coefficient(logits, logit_tangents, temperature=1.0, mask=None):
   Returns:
     The scalar q (fp32, or fp64 under x64 with fp64 inputs).
   """
-  z, zdot = _acc(logits), _acc(logit_tangents)
-  p = jax.nn.softmax(z / temperature, axis=-1)
-  mean = jnp.sum(p * zdot, axis=-1, keepdims=True)
-  var = jnp.sum(p * jnp.square(zdot - mean), axis=-1)
-  mask = jnp.ones(var.shape, var.dtype) if mask is None else mask.astype(var.dtype)
-  return jnp.sum(var * mask) / (2.0 * _mask_count(mask) * temperature**2)
+  var = position_variance(logits, logit_tangents, temperature)
+  return _masked_mean(var, mask) / (2.0 * temperature**2)
 
 
 def mean_kl(logits_p, logits_q, temperature=1.0, mask=None):
   """The true mean KL(softmax(z_p/T) ‖ softmax(z_q/T)) over the masked positions."""
-  lp = jax.nn.log_softmax(_acc(logits_p) / temperature, axis=-1)
-  lq = jax.nn.log_softmax(_acc(logits_q) / temperature, axis=-1)
-  kl = jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
-  mask = jnp.ones(kl.shape, kl.dtype) if mask is None else mask.astype(kl.dtype)
-  return jnp.sum(kl * mask) / _mask_count(mask)
+  return _masked_mean(position_kl(logits_p, logits_q, temperature), mask)
 
 
 def logits_and_tangents(logits_fn: Callable, probes, updates):
@@ -136,11 +148,6 @@ def effective_budget(budget, mismatch_ema, floor=0.5):
 # ---------------------------------------------------------------- over vocabulary chunks
 # The same quantities from final hidden states h (..., D) and a head weight w, logits
 # z = h·w, computed chunk by chunk (`sketch.vocab`): no (..., V) array, forward or backward.
-
-
-def _masked_mean(x, mask):
-  mask = jnp.ones(x.shape, x.dtype) if mask is None else mask.astype(x.dtype)
-  return jnp.sum(x * mask) / _mask_count(mask)
 
 
 def chunked_mean_kl(hidden_p, w_p, hidden_q, w_q, temperature=1.0, mask=None, *,

@@ -119,6 +119,7 @@ class Trainer:
                              cfg.rollout.max_staleness)
     self.rollouts.set_state(self._pending)
     self.resumed = resumed
+    self.last_batch = None  # (host batch, prompt length) of the latest train_step
 
   def _restore_or_init(self, params):
     latest = self.ckpt.latest_step()
@@ -155,17 +156,26 @@ class Trainer:
     self.ckpt.save(self.step, {'method': self.state, 'adv': self.adv_state, 'ref': self.ref},
                    meta)
 
-  def train_step(self) -> dict:
-    cfg, t = self.cfg, self.step + 1
-    start = time.perf_counter()
+  def collect(self, t: int):
+    """Step t's training batch: rollouts, rewards, advantages (the estimator's state
+    advances). Returns (batch, prompt_len, results, scores, staleness metrics, generation s)."""
+    cfg, start = self.cfg, time.perf_counter()
     n = cfg.data.samples_per_prompt
     records, results, stale = self.rollouts.take(t)
-    generated = time.perf_counter()
+    generate_s = time.perf_counter() - start
     scores = _score(self.task, self.scorer, results, records, n)
     rewards = parallel.same_on_every_process(np.asarray(scores.rewards, np.float32))
     adv, self.adv_state = self.estimator.update(rewards, self.adv_state, group_size=n)
     batch, p = assemble_batch(results, adv, cfg.rollout.max_new_tokens, self.task.pad_id,
                               self.task.prompt_len)
+    return batch, p, results, scores, stale, generate_s
+
+  def train_step(self) -> dict:
+    cfg, t = self.cfg, self.step + 1
+    start = time.perf_counter()
+    batch, p, results, scores, stale, generate_s = self.collect(t)
+    self.last_batch = (batch, p)  # the host batch the update saw (experiments/kl_probe_size)
+    generated = start + generate_s
     if self.cfg.rl.kl_coef:
       if p not in self._ref_fns:
         self._ref_fns[p] = steps.make_ref_logp(self.model, p, cfg.rollout.temperature,

@@ -182,16 +182,21 @@ def _all_finite(tree):
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def _kl_subset(batch, n):
-  """n of the N rows for the KL probe, spread over the batch: rows i·N//n (all if n >= N).
+def kl_rows(total: int, n: int) -> list:
+  """The KL probe's n of ``total`` rows, spread over the batch: rows i·N//n (all if n >= N).
 
   A prompt's G completions are contiguous, so the first n rows would be one or two prompts'
   groups; strided rows reach min(n, N/G) prompts.
   """
+  return list(range(total)) if n >= total else [i * total // n for i in range(n)]
+
+
+def _kl_subset(batch, n):
+  """`kl_rows` of the batch."""
   total = jax.tree.leaves(batch)[0].shape[0]
   if n >= total:
     return batch
-  rows = jnp.asarray([i * total // n for i in range(n)])
+  rows = jnp.asarray(kl_rows(total, n))
   return jax.tree.map(lambda x: x[rows], batch)
 
 
