@@ -86,6 +86,8 @@ def test_smollm2_config():
   assert cfg.reward.verifier == 'reasoning_gym' and cfg.optim.name == 'logra'
   assert 16 <= cfg.optim.rank <= 32 and cfg.optim.sketch_optimizer == 'row_adam'
   assert cfg.optim.kl_control
+  # The README's learning curve: greedy pass@1 on 128 held-out problems every 10 steps.
+  assert cfg.data.eval_size >= 128 and cfg.eval.temperature == 0 and cfg.eval_every == 10
 
 
 def test_reasoning_gym_verifier_falls_back_to_the_last_number():

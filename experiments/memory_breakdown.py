@@ -1,0 +1,146 @@
+"""Where a SmolLM2 RL process's memory goes: XLA's memory analysis of each jitted function.
+
+  python experiments/memory_breakdown.py                 # SmolLM2, bench_vs_trl's 4 x 4 x 64
+  python experiments/memory_breakdown.py --model=tiny    # the tiny config (CI: seconds)
+
+Compiles (nothing runs) the trainer's own jitted functions on one device for one workload:
+the LoGRA step and the dense-AdamW step (`analysis.memory_plan.logra_entry` / `dense_entry`:
+the trainer's step builders and shardings), the rollout sampler (`sampler.generate_arrays`
+for the training rows) and the held-out evaluation's sampler (greedy, eval rows). For each:
+argument, output, aliased and temp bytes and peak = argument + output − aliased + temp (what
+the function needs at once), next to the bytes of one fp32 copy of the params and of one
+(rows, completion, vocab) fp32 logits array. Process RSS also holds the Python heap, the
+compiled programs and the GGUF's host copy; this shows what the jitted functions add. The
+process's peak RSS after each stage (imports, model load, each compile) is printed too: the
+compiler's own working memory shows there.
+
+The LAST line is one JSON object: {"functions": {name: {..., "peak_gib": x}}, "params_gib": p,
+"peak_rss_gib": {stage: g}, "logits_gib": l, "workload": {...}}.
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import numpy as np  # pylint: disable=g-import-not-at-top
+
+from logra_jax import parallel  # pylint: disable=g-import-not-at-top
+from logra_jax.analysis import memory_plan  # pylint: disable=g-import-not-at-top
+from logra_jax.models import sampler  # pylint: disable=g-import-not-at-top
+from logra_jax.train import config as config_lib, tasks  # pylint: disable=g-import-not-at-top
+
+GIB = 2**30
+
+
+def peak_rss_gib() -> float:
+  """This process's peak resident set so far (Linux: ru_maxrss in KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  p.add_argument('--model', choices=('smollm2', 'tiny'), default='smollm2')
+  p.add_argument('--prompts', type=int, default=4)
+  p.add_argument('--samples', type=int, default=4)
+  p.add_argument('--prompt_len', type=int, default=64, help='padded prompt tokens')
+  p.add_argument('--new_tokens', type=int, default=64)
+  p.add_argument('--eval_rows', type=int, default=128)
+  return p.parse_args(argv)
+
+
+def make_config(args, method: str) -> config_lib.TrainConfig:
+  from configs import smollm2_rg, tiny  # pylint: disable=g-import-not-at-top
+  cfg = (smollm2_rg if args.model == 'smollm2' else tiny).get_config(
+      'adam' if method == 'dense' and args.model == 'smollm2' else None)
+  if method == 'dense':
+    cfg.optim.name = 'adam'
+  cfg.warm_start.steps = 0
+  cfg.data.prompts_per_step, cfg.data.samples_per_prompt = args.prompts, args.samples
+  cfg.rollout.max_new_tokens = args.new_tokens
+  return config_lib.from_config_dict(cfg)
+
+
+def abstract_model(cfg):
+  """(model, abstract params) as the trainer builds them (SmolLM2: read from the GGUF)."""
+  task = tasks.build_task(cfg) if not cfg.model.path else None
+  model, _, params = tasks.build_model(cfg, task)
+  tasks._LOADED.clear()  # pylint: disable=protected-access
+  return model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+
+
+def compiled_memory(fn, args, mesh=None) -> dict:
+  if mesh is None:
+    compiled = fn.lower(*args).compile()
+  else:
+    with jax.set_mesh(mesh):
+      compiled = fn.lower(*args).compile()
+  return memory_plan.memory(compiled)
+
+
+def step_memory(cfg, model, method: str, seq) -> dict:
+  layout = parallel.Layout(parallel.make_mesh(1, 1, jax.devices()[:1]),
+                           config_lib.parse_axis_rules(cfg.mesh.rules))
+  make = memory_plan.logra_entry if method == 'logra' else memory_plan.dense_entry
+  e = make(cfg, model, layout, seq, micro_batches=cfg.optim.micro_batches)
+  return compiled_memory(e.fn, e.args, layout.mesh)
+
+
+def sampler_memory(model, params, rows: int, prompt_len: int, new_tokens: int,
+                   temperature: float) -> dict:
+  b = sampler.bucket_size(rows, 1)
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  args = (params, spec((b, prompt_len), jnp.int32), spec((b, prompt_len), jnp.bool_),
+          spec((b,), jnp.uint32), spec((1,), jnp.int32))
+  fn = jax.jit(lambda *a: sampler.generate_arrays(
+      *a, config=model.config, max_new_tokens=new_tokens,
+      sampling=sampler.SamplingParams(temperature, 1.0, 0)))
+  return compiled_memory(fn, args)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  rows = args.prompts * args.samples
+  seq = (args.prompt_len, args.new_tokens)
+  functions, rss = {}, {'imports': peak_rss_gib()}
+  cfg = make_config(args, 'logra')
+  model, params = abstract_model(cfg)
+  rss['model_load'] = peak_rss_gib()
+  functions['logra_step'] = step_memory(cfg, model, 'logra', seq)
+  rss['logra_step'] = peak_rss_gib()
+  dense_cfg = make_config(args, 'dense')
+  functions['adam_step'] = step_memory(dense_cfg, model, 'dense', seq)
+  rss['adam_step'] = peak_rss_gib()
+  functions['rollout_sampler'] = sampler_memory(model, params, rows, args.prompt_len,
+                                                args.new_tokens, cfg.rollout.temperature)
+  rss['rollout_sampler'] = peak_rss_gib()
+  functions['eval_sampler'] = sampler_memory(model, params, args.eval_rows, args.prompt_len,
+                                             args.new_tokens, 0.0)
+  rss['eval_sampler'] = peak_rss_gib()
+  params_b = memory_plan.global_bytes(params)
+  logits_b = rows * args.new_tokens * model.config.vocab_size * 4
+  print(f'params (as loaded) {params_b / GIB:.3f} GiB; one ({rows}, {args.new_tokens}, '
+        f'{model.config.vocab_size}) fp32 logits array {logits_b / GIB:.3f} GiB')
+  print(f'{"function":<16} {"argument":>9} {"output":>9} {"aliased":>9} {"temp":>9} '
+        f'{"peak":>9}  (GiB)')
+  for name, m in functions.items():
+    print(f'{name:<16} ' + ' '.join(f'{m[k] / GIB:>9.3f}' for k in
+                                     ('argument', 'output', 'alias', 'temp', 'peak')))
+    m['peak_gib'] = m['peak'] / GIB
+  print('process peak RSS after ' + ', '.join(f'{k} {v:.2f}' for k, v in rss.items()) + ' GiB')
+  print(json.dumps(dict(functions=functions, params_gib=params_b / GIB, peak_rss_gib=rss,
+                        logits_gib=logits_b / GIB,
+                        workload=dict(model=args.model, rows=rows, prompt_len=args.prompt_len,
+                                      new_tokens=args.new_tokens, eval_rows=args.eval_rows,
+                                      kl_sequences=cfg.optim.kl_sequences,
+                                      micro_batches=cfg.optim.micro_batches))))
+
+
+if __name__ == '__main__':
+  main()
