@@ -110,7 +110,8 @@ class OptimSection:
   kl_budget_final: float = 2e-5
   kl_budget_steps: int = 300
   alpha_max: float = 3.0    # 1.0 makes the budget a ceiling: steps are never enlarged
-  kl_sequences: int = 8     # sequences of the batch used by the KL probe
+  kl_sequences: int = 8     # rows of the batch the KL probe runs on (strided over prompts; 8:
+  #   docs/benchmarks.md "The KL probe's size", experiments/kl_probe_size.py)
   telemetry_every: int = 1  # realised-KL telemetry (an extra forward) every K steps (0: never);
   #   with kl_control=False and 0 the step runs no KL probe at all (no JVP, no extra forward)
   mismatch_ema: float = 0.3
