@@ -29,7 +29,6 @@ if ROOT not in sys.path:
 
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-import numpy as np  # pylint: disable=g-import-not-at-top
 
 from logra_jax import parallel  # pylint: disable=g-import-not-at-top
 from logra_jax.analysis import memory_plan  # pylint: disable=g-import-not-at-top
@@ -95,7 +94,7 @@ def step_memory(cfg, model, method: str, seq) -> dict:
 def sampler_memory(model, params, rows: int, prompt_len: int, new_tokens: int,
                    temperature: float) -> dict:
   b = sampler.bucket_size(rows, 1)
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  spec = jax.ShapeDtypeStruct
   args = (params, spec((b, prompt_len), jnp.int32), spec((b, prompt_len), jnp.bool_),
           spec((b,), jnp.uint32), spec((1,), jnp.int32))
   fn = jax.jit(lambda *a: sampler.generate_arrays(

@@ -93,6 +93,7 @@ def study(batches: Sequence[dict], rows: Sequence[int], fractions: Sequence[floa
   ``alpha`` (applied), ``budget`` and ``alpha_max``.
   """
   rng = np.random.default_rng(seed)
+  realised = [masked_mean(x['kl'], x['mask']) for x in batches]
   out = []
   for n in rows:
     for f in fractions:
@@ -102,9 +103,8 @@ def study(batches: Sequence[dict], rows: Sequence[int], fractions: Sequence[floa
         for d in range(draws):
           m = subset_mask(x['mask'], spread_rows(group_size, len(x['mask']), n, rng), f, rng)
           pred[d, b] = predicted(x['var'], m, temperature)
-          errs.append(alpha_error(x, pred[d, b]))
+          errs.append(alpha_error(x, pred[d, b], realised[b]))
           errs_all.append(alpha_error(x, pred[d, b], q_all))
-      realised = [masked_mean(x['kl'], x['mask']) for x in batches]
       corr = [_pearson(np.log(np.maximum(p, 1e-30)), np.log(realised)) for p in pred]
       errs, errs_all = np.asarray(errs), np.asarray(errs_all)
       out.append(dict(rows=int(n), fraction=float(f),
