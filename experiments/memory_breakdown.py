@@ -18,6 +18,7 @@ The LAST line is one JSON object: {"functions": {name: {..., "peak_gib": x}}, "p
 "peak_rss_gib": {stage: g}, "logits_gib": l, "workload": {...}}.
 """
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -51,7 +52,24 @@ def parse_args(argv=None):
   p.add_argument('--prompt_len', type=int, default=64, help='padded prompt tokens')
   p.add_argument('--new_tokens', type=int, default=64)
   p.add_argument('--eval_rows', type=int, default=128)
+  p.add_argument('--set', action='append', default=[], metavar='KEY=VALUE',
+                 help='a config override of both steps, e.g. optim.micro_batches=4')
   return p.parse_args(argv)
+
+
+def apply_sets(cfg, sets):
+  """``KEY=VALUE`` overrides of a ConfigDict, each parsed as the type of the value it replaces."""
+  for item in sets:
+    key, _, value = item.partition('=')
+    *parents, leaf = key.split('.')
+    node = cfg
+    for part in parents:
+      node = node[part]
+    if leaf not in node:
+      raise ValueError(f'--set {item!r}: unknown config key {key!r}')
+    old = node[leaf]
+    node[leaf] = (value.lower() in ('1', 'true') if isinstance(old, bool) else type(old)(value))
+  return cfg
 
 
 def make_config(args, method: str) -> config_lib.TrainConfig:
@@ -63,7 +81,7 @@ def make_config(args, method: str) -> config_lib.TrainConfig:
   cfg.warm_start.steps = 0
   cfg.data.prompts_per_step, cfg.data.samples_per_prompt = args.prompts, args.samples
   cfg.rollout.max_new_tokens = args.new_tokens
-  return config_lib.from_config_dict(cfg)
+  return config_lib.from_config_dict(apply_sets(cfg, args.set))
 
 
 def abstract_model(cfg):
@@ -74,21 +92,61 @@ def abstract_model(cfg):
   return model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 
-def compiled_memory(fn, args, mesh=None) -> dict:
-  if mesh is None:
+def rss_status() -> tuple:
+  """(current RSS, peak RSS since the last `reset_peak_rss`) of this process in GiB (Linux)."""
+  with open('/proc/self/status') as f:
+    kib = {l.split(':')[0]: int(l.split()[1]) for l in f if l.startswith(('VmRSS', 'VmHWM'))}
+  return kib['VmRSS'] / 2**20, kib['VmHWM'] / 2**20
+
+
+def reset_peak_rss():
+  """Sets this process's peak RSS (VmHWM) back to its current RSS (Linux clear_refs 5)."""
+  with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')
+
+
+def concrete(args):
+  """Zeros (masks and weights all ones) in place of abstract arguments, on their shardings."""
+  def make(path, x):
+    if x is None:
+      return None
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return jax.random.key(0)
+    name = jax.tree_util.keystr(path)
+    fill = 1 if 'mask' in name and 'target' not in name or x.dtype == jnp.bool_ else 0
+    value = jnp.full(x.shape, fill, x.dtype)
+    return value if x.sharding is None else jax.device_put(value, x.sharding)
+  return jax.tree_util.tree_map_with_path(make, args, is_leaf=lambda x: x is None)
+
+
+def measure(fn, args, mesh=None) -> dict:
+  """XLA's memory analysis of ``fn`` compiled on ``args``, then one execution on zeros:
+  ``run_rss_gib`` = the process's peak RSS while it ran minus its RSS just before (what
+  running it really added at its peak: its buffers, the runtime's and the libraries')."""
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     compiled = fn.lower(*args).compile()
-  else:
-    with jax.set_mesh(mesh):
-      compiled = fn.lower(*args).compile()
-  return memory_plan.memory(compiled)
+    out = memory_plan.memory(compiled)
+    values = concrete(args)
+    jax.block_until_ready(values)
+    compile_peak = rss_status()[1]
+    reset_peak_rss()
+    before = rss_status()[0]
+    jax.block_until_ready(compiled(*values))
+    run_peak = rss_status()[1]
+  out['run_rss_gib'] = run_peak - before
+  out['process_peak_gib'] = max(compile_peak, run_peak)
+  return out
 
 
-def step_memory(cfg, model, method: str, seq) -> dict:
+def step_memory(cfg, model, method: str, seq, rows: int) -> dict:
+  """The trainer's step: ``rows`` sequences in ``cfg.optim.micro_batches`` micro-batches."""
   layout = parallel.Layout(parallel.make_mesh(1, 1, jax.devices()[:1]),
                            config_lib.parse_axis_rules(cfg.mesh.rules))
   make = memory_plan.logra_entry if method == 'logra' else memory_plan.dense_entry
-  e = make(cfg, model, layout, seq, micro_batches=cfg.optim.micro_batches)
-  return compiled_memory(e.fn, e.args, layout.mesh)
+  e = make(cfg, model, layout, seq, micro_batches=cfg.optim.micro_batches, rows=rows)
+  out = measure(e.fn, e.args, layout.mesh)
+  out['tokens_shape'] = list(e.args[e.names.index('batch')]['tokens'].shape)  # (rows, P + T)
+  return out
 
 
 def sampler_memory(model, params, rows: int, prompt_len: int, new_tokens: int,
@@ -100,7 +158,7 @@ def sampler_memory(model, params, rows: int, prompt_len: int, new_tokens: int,
   fn = jax.jit(lambda *a: sampler.generate_arrays(
       *a, config=model.config, max_new_tokens=new_tokens,
       sampling=sampler.SamplingParams(temperature, 1.0, 0)))
-  return compiled_memory(fn, args)
+  return measure(fn, args)
 
 
 def main(argv=None):
@@ -108,36 +166,37 @@ def main(argv=None):
   rows = args.prompts * args.samples
   seq = (args.prompt_len, args.new_tokens)
   functions, rss = {}, {'imports': peak_rss_gib()}
+
+  def stage(name, measured):  # the running peak over compiles and runs
+    functions[name] = measured
+    rss[name] = max(max(rss.values()), measured.pop('process_peak_gib'))
+
   cfg = make_config(args, 'logra')
   model, params = abstract_model(cfg)
   rss['model_load'] = peak_rss_gib()
-  functions['logra_step'] = step_memory(cfg, model, 'logra', seq)
-  rss['logra_step'] = peak_rss_gib()
-  dense_cfg = make_config(args, 'dense')
-  functions['adam_step'] = step_memory(dense_cfg, model, 'dense', seq)
-  rss['adam_step'] = peak_rss_gib()
-  functions['rollout_sampler'] = sampler_memory(model, params, rows, args.prompt_len,
-                                                args.new_tokens, cfg.rollout.temperature)
-  rss['rollout_sampler'] = peak_rss_gib()
-  functions['eval_sampler'] = sampler_memory(model, params, args.eval_rows, args.prompt_len,
-                                             args.new_tokens, 0.0)
-  rss['eval_sampler'] = peak_rss_gib()
+  stage('logra_step', step_memory(cfg, model, 'logra', seq, rows))
+  stage('adam_step', step_memory(make_config(args, 'dense'), model, 'dense', seq, rows))
+  stage('rollout_sampler', sampler_memory(model, params, rows, args.prompt_len,
+                                          args.new_tokens, cfg.rollout.temperature))
+  stage('eval_sampler', sampler_memory(model, params, args.eval_rows, args.prompt_len,
+                                       args.new_tokens, 0.0))
   params_b = memory_plan.global_bytes(params)
   logits_b = rows * args.new_tokens * model.config.vocab_size * 4
   print(f'params (as loaded) {params_b / GIB:.3f} GiB; one ({rows}, {args.new_tokens}, '
         f'{model.config.vocab_size}) fp32 logits array {logits_b / GIB:.3f} GiB')
   print(f'{"function":<16} {"argument":>9} {"output":>9} {"aliased":>9} {"temp":>9} '
-        f'{"peak":>9}  (GiB)')
+        f'{"peak":>9} {"run RSS":>9}  (GiB)')
   for name, m in functions.items():
     print(f'{name:<16} ' + ' '.join(f'{m[k] / GIB:>9.3f}' for k in
-                                     ('argument', 'output', 'alias', 'temp', 'peak')))
+                                     ('argument', 'output', 'alias', 'temp', 'peak'))
+          + f' {m["run_rss_gib"]:>9.3f}')
     m['peak_gib'] = m['peak'] / GIB
   print('process peak RSS after ' + ', '.join(f'{k} {v:.2f}' for k, v in rss.items()) + ' GiB')
   print(json.dumps(dict(functions=functions, params_gib=params_b / GIB, peak_rss_gib=rss,
                         logits_gib=logits_b / GIB,
                         workload=dict(model=args.model, rows=rows, prompt_len=args.prompt_len,
                                       new_tokens=args.new_tokens, eval_rows=args.eval_rows,
-                                      kl_sequences=cfg.optim.kl_sequences,
+                                      kl_sequences=cfg.optim.kl_sequences, sets=args.set,
                                       micro_batches=cfg.optim.micro_batches))))
 
 

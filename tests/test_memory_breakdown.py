@@ -28,7 +28,11 @@ def test_memory_breakdown_tiny():
     assert f[name]['alias'] >= result['params_gib'] * 2**30, name
   assert f['adam_step']['argument'] > 2.5 * f['logra_step']['argument']
   assert f['rollout_sampler']['alias'] == 0  # generation never donates the served params
+  for name in ('logra_step', 'adam_step'):  # the trainer's whole batch, as it runs it
+    assert f[name]['tokens_shape'] == [16, 8 + 4], name
+  for name, m in f.items():  # each function also ran once on zeros
+    assert 0 <= m['run_rss_gib'] < 1, name
   rss = list(result['peak_rss_gib'].values())  # a running peak: never decreases
   assert list(result['peak_rss_gib']) == ['imports', 'model_load', *f] and rss == sorted(rss)
   assert result['workload'] == dict(model='tiny', rows=16, prompt_len=8, new_tokens=4,
-                                    eval_rows=16, kl_sequences=8, micro_batches=1)
+                                    eval_rows=16, kl_sequences=8, sets=[], micro_batches=1)

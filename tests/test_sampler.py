@@ -235,3 +235,65 @@ def test_jax_generator_rejects_requests_beyond_the_context(model):
   other = RequestParams(temperature=1.0, max_new_tokens=20, stop_token_ids=(2,))
   with pytest.raises(ValueError, match='stop_token_ids'):
     gen.generate([GenerationRequest([1, 2, 3], sp), GenerationRequest([4, 5], other)])
+
+
+# --- n samples of a prompt: one prefill, its KV cache forked ----------------------------------
+
+def _padded(prompts, length=8):
+  tokens = np.zeros((len(prompts), length), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, length - len(p):] = p
+  return tokens, tokens > 0
+
+
+def test_forked_prefill_samples_like_repeated_prompts(model64):
+  """samples=n prefills U prompts once and forks the cache; row i must be what prompt i // n
+  repeated n times gives with the same seeds (float64: the two prefills batch 3 vs 9 rows)."""
+  c, params = model64
+  n, seeds = 3, np.arange(100, 109, dtype=np.uint32)
+  kw = dict(config=c, max_new_tokens=6, sampling=SamplingParams(1.3, 0.9, 0))
+  stops = np.array([7, -1, -1, -1], np.int32)  # some rows stop early
+  forked = generate_arrays(params, *_padded(PROMPTS), seeds, stops, samples=n, **kw)
+  repeated = generate_arrays(params, *_padded([p for p in PROMPTS for _ in range(n)]), seeds,
+                             stops, **kw)
+  for a, b in zip(forked, repeated):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                               rtol=0, atol=1e-12)
+  assert len({tuple(r) for r in np.asarray(forked[0])}) > len(PROMPTS)  # samples do differ
+
+
+def test_forked_prefill_costs_one_prefill_per_prompt(model):
+  """XLA's FLOP count: the prefill runs on the U prompts, not on U·n rows."""
+  c, params = model
+  n, tokens, mask = 4, *_padded(PROMPTS, 32)
+  flops = lambda t, m, samples: generate_arrays.lower(
+      params, t, m, np.zeros(len(PROMPTS) * n, np.uint32), np.full(4, -1, np.int32), config=c,
+      max_new_tokens=2, sampling=SamplingParams(1.0), samples=samples).compile().cost_analysis()
+  forked = flops(tokens, mask, n)['flops']
+  repeated = flops(np.repeat(tokens, n, 0), np.repeat(mask, n, 0), 1)['flops']
+  assert forked < 0.5 * repeated, (forked, repeated)
+
+
+def test_jax_generator_forks_each_prompt_n_times(model, monkeypatch):
+  """JaxGenerator hands the sampler each prompt once with samples=n, and its results keep
+  (request, sample) order; requests with different n fall back to one row per sample."""
+  from logra_jax.train import rollout  # pylint: disable=g-import-not-at-top
+  c, params = model
+  calls = []
+  real = rollout.generate_arrays
+
+  def spy(params, tokens, mask, seeds, stops, **kw):
+    calls.append((tokens.shape, seeds.shape, kw['samples']))
+    return real(params, tokens, mask, seeds, stops, **kw)
+  monkeypatch.setattr(rollout, 'generate_arrays', spy)
+  gen = JaxGenerator(c, params)
+  sp = RequestParams(temperature=1.0, max_new_tokens=5, n=4, seed=3)
+  out = gen.generate([GenerationRequest(p, sp, request_id=str(i)) for i, p in enumerate(PROMPTS)])
+  assert calls[-1] == ((4, 8), (16,), 4)  # 3 prompts in a bucket of 4, 4 samples each
+  assert [(r.request_id, r.sample_index) for r in out] == [
+      (str(i), j) for i in range(3) for j in range(4)]
+  two = RequestParams(temperature=1.0, max_new_tokens=5, n=2, seed=3)
+  mixed = gen.generate([GenerationRequest(PROMPTS[0], sp), GenerationRequest(PROMPTS[1], two)])
+  assert [r.sample_index for r in mixed] == [0, 1, 2, 3, 0, 1]
+  assert calls[-1][2] == 1 and calls[-1][1] == (8,)  # 6 rows, one per sample, bucket 8

@@ -282,13 +282,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _multi_host_run(workdir, extra=()):
+def _multi_host_run(workdir, extra=(), env=None):
   """experiments/train.py as 2 processes of 2 CPU devices each, coordinated on 127.0.0.1."""
   port = _free_port()
   procs = [subprocess.Popen(
       _train_cmd(workdir, f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
                  f'--process_id={i}', *extra),
-      env=_env(2), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      env=dict(_env(2), **(env or {})), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
   errs = []
   try:
@@ -303,15 +303,20 @@ def _multi_host_run(workdir, extra=()):
 
 
 @pytest.mark.slow
-def test_two_processes_match_four_devices_and_resume_exactly(four_device_run, tmp_path):
+def test_two_processes_match_four_devices_and_resume_exactly(four_device_run, tmp_path,
+                                                            shared_xla_env):
   """2 x 2 devices == 1 x 4 devices; a resume from step 2 redoes step 3 bit for bit.
+
+  Both runs share XLA's persistent compilation cache: the resumed run loads the programs the
+  first one compiled (on a 2-core CPU compiling is most of a tiny run), and must still redo
+  step 3 bit for bit.
 
   Gloo creates each cross-process communicator on first use and waits 30 s (fixed) for the
   other process: on a heavily shared 2-core CPU two processes compiling the same program can
   drift further apart than that (seen once at load 13: DEADLINE_EXCEEDED on 'cpu:gloo/...').
   """
   workdir = str(tmp_path)
-  _multi_host_run(workdir, ['--config.checkpoint_every=1'])
+  _multi_host_run(workdir, ['--config.checkpoint_every=1'], shared_xla_env)
   uninterrupted = _metrics(workdir)
   assert_same_metrics(uninterrupted, _metrics(four_device_run()))
   with open(os.path.join(workdir, 'run_info.json')) as f:
@@ -321,7 +326,7 @@ def test_two_processes_match_four_devices_and_resume_exactly(four_device_run, tm
   ckpts = os.path.join(workdir, 'checkpoints')
   assert sorted(os.listdir(ckpts)) == ['2', '3'], os.listdir(ckpts)
   subprocess.run(['rm', '-rf', os.path.join(ckpts, '3')], check=True)
-  _multi_host_run(workdir, ['--config.checkpoint_every=1'])
+  _multi_host_run(workdir, ['--config.checkpoint_every=1'], shared_xla_env)
   resumed = _metrics(workdir)
   assert [r['step'] for r in resumed] == [0, 1, 2, 3]
   strip = lambda r: {k: v for k, v in r.items() if k not in TIMING}

@@ -114,8 +114,19 @@ def build_logra_step(model, cfg: TrainConfig, opt, sc, sh):
   return steps.make_logra_step(model, methods.loss_config(cfg), opt, sc, spec, sh)
 
 
-def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
-  """`methods.logra_method`'s step and shardings, on abstract inputs."""
+def _rows(sc: steps.StepConfig, layout, rows: int) -> int:
+  """The batch's sequences: ``rows``, or (0) one per device per micro-batch (the plan)."""
+  return rows or sc.micro_batches * layout.mesh.size
+
+
+def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0, rows=0) -> Entry:
+  """`methods.logra_method`'s step and shardings, on abstract inputs.
+
+  A batch of ``rows`` sequences (0: one per device per micro-batch) of ``seq`` = (prompt,
+  completion) tokens in ``micro_batches`` micro-batches (0: the plan's, see
+  `plan_step_config`); the trainer's step is ``rows`` = prompts x samples in
+  ``cfg.optim.micro_batches``.
+  """
   o = cfg.optim
   opt = optimizers.logra_optimizer(o, cfg.total_steps)
   pl = methods.Placement(cfg, model, layout)
@@ -131,7 +142,7 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   rep = layout.replicated
   key = jax.eval_shape(lambda: jax.random.key(0))
   args = (with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
-          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch),
+          abstract_batch(_rows(sc, layout, rows), *seq, pl.batch),
           jax.ShapeDtypeStruct((), jnp.uint32, sharding=rep),
           jax.ShapeDtypeStruct((), jnp.uint32, sharding=rep),
           jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
@@ -140,8 +151,8 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
                           'telemetry'))
 
 
-def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
-  """`methods.adam_method`'s step and shardings, on abstract inputs."""
+def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0, rows=0) -> Entry:
+  """`methods.adam_method`'s step and shardings, on abstract inputs (batch: `logra_entry`)."""
   opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps)
   pl = methods.Placement(cfg, model, layout)
   opt_abs = jax.eval_shape(opt.init, pl.abstract)
@@ -150,7 +161,7 @@ def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0) -> Entry:
   sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
   fn = steps.make_dense_step(model, methods.loss_config(cfg), opt, sc, sh=sh).jitted
   args = (None, with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
-          abstract_batch(sc.micro_batches * layout.mesh.size, *seq, pl.batch),
+          abstract_batch(_rows(sc, layout, rows), *seq, pl.batch),
           telemetry_flag(layout.replicated))
   return Entry(fn, args, ('unused', 'params', 'opt_state', 'batch', 'telemetry'))
 

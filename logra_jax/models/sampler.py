@@ -1,6 +1,7 @@
 """Batched KV-cache sampling: prefill left-padded prompts, then a `lax.while_loop` decode.
 
-Shape key: B batch, P prompt length (left padded), T new tokens, V vocab.
+Shape key: U prompts, B = U·samples generated rows, P prompt length (left padded), T new
+tokens, V vocab.
 
 `generate_arrays` is the jitted array core (one compile per config, sampling settings and
 shapes); `generate` is the list-in / list-out wrapper that pads batch and prompt length to
@@ -102,18 +103,36 @@ def _decode_step(model, params, keys_B, stop_ids, sampling, max_new, state: _Sta
                 stopped_B=stopped_B, cache=cache)
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'max_new_tokens', 'sampling'))
-def generate_arrays(params, prompt_BxP, prompt_mask_BxP, seeds_B, stop_ids, *,
-                    config: ModelConfig, max_new_tokens: int, sampling: SamplingParams):
+def fork_cache(cache, logits_UxV, samples: int):
+  """The prefill of U prompts as the start of U·samples rows: row i continues prompt
+  i // samples (its keys, values and mask repeated; one cache slot index for all)."""
+  if samples == 1:
+    return cache, logits_UxV
+  rep = lambda x, axis: jnp.repeat(x, samples, axis=axis, total_repeat_length=x.shape[axis]
+                                   * samples)
+  return ({'k': rep(cache['k'], 1), 'v': rep(cache['v'], 1), 'mask': rep(cache['mask'], 0),
+           'index': cache['index']}, rep(logits_UxV, 0))
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'max_new_tokens', 'sampling', 'samples'))
+def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
+                    config: ModelConfig, max_new_tokens: int, sampling: SamplingParams,
+                    samples: int = 1):
   """Generates up to `max_new_tokens` per row from left-padded prompts.
+
+  Each prompt is prefilled once and its KV cache forked into `samples` rows (B = U·samples;
+  row i continues prompt i // samples with seed seeds_B[i]), so n samples of a prompt pay one
+  prefill. A row's tokens are those of the same prompt repeated `samples` times with
+  `samples=1` (the same keys; the prefill's floats may differ in the last bits with the
+  number of rows it batches).
 
   Args:
     params: model params (may be sharded).
-    prompt_BxP: int32 prompts, left padded; every row needs at least one real token.
-    prompt_mask_BxP: bool, True on real prompt tokens.
-    seeds_B: int seeds, one per row.
+    prompt_UxP: int32 prompts, left padded; every row needs at least one real token.
+    prompt_mask_UxP: bool, True on real prompt tokens.
+    seeds_B: int seeds, one per generated row (U·samples).
     stop_ids: int32 (N,) stop token ids (may be empty; pad with -1).
-    config, max_new_tokens, sampling: static. P + max_new_tokens must be at most
+    config, max_new_tokens, sampling, samples: static. P + max_new_tokens must be at most
       config.max_position_embeddings (ValueError otherwise, at trace time).
 
   Returns:
@@ -121,17 +140,22 @@ def generate_arrays(params, prompt_BxP, prompt_mask_BxP, seeds_B, stop_ids, *,
     model; 0 after the end),
     lengths_B int32, stopped_B bool (True = finished on a stop token).
   """
-  b, p = prompt_BxP.shape
+  u, p = prompt_UxP.shape
+  b = u * samples
+  if seeds_B.shape != (b,):
+    raise ValueError(f'generate_arrays: {u} prompts x samples={samples} need {b} seeds, got '
+                     f'shape {seeds_B.shape}')
   check_context(config, p, max_new_tokens, 'the padded prompt length')
   model = Transformer(config)
   # The barrier keeps XLA from constant-folding prefill attention over the all-zero cache.
-  cache = jax.lax.optimization_barrier(init_cache(config, b, p + max_new_tokens))
-  logits_Bx1xV, cache = model.apply({'params': params}, prompt_BxP, attn_mask_BxL=prompt_mask_BxP,
+  cache = jax.lax.optimization_barrier(init_cache(config, u, p + max_new_tokens))
+  logits_Ux1xV, cache = model.apply({'params': params}, prompt_UxP, attn_mask_BxL=prompt_mask_UxP,
                                     cache=cache, last_only=True)
+  cache, logits_BxV = fork_cache(cache, logits_Ux1xV[:, -1], samples)
   keys_B = jax.vmap(jax.random.key)(seeds_B)
-  state = _State(step=jnp.zeros((), jnp.int32), logits_BxV=logits_Bx1xV[:, -1],
+  state = _State(step=jnp.zeros((), jnp.int32), logits_BxV=logits_BxV,
                  tokens_BxT=jnp.zeros((b, max_new_tokens), jnp.int32),
-                 logprobs_BxT=jnp.zeros((b, max_new_tokens), logits_Bx1xV.dtype),
+                 logprobs_BxT=jnp.zeros((b, max_new_tokens), logits_BxV.dtype),
                  lengths_B=jnp.zeros((b,), jnp.int32), stopped_B=jnp.zeros((b,), bool),
                  cache=cache)
 

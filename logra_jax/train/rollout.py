@@ -62,22 +62,24 @@ class JaxGenerator:
            or r.params.stop_token_ids != sp.stop_token_ids for r in requests):
       raise ValueError('JaxGenerator needs the same sampling settings (max_new_tokens, '
                        'temperature, top_p, top_k, stop_token_ids) for all requests of a call')
+    # Every request asks n samples: each prompt is prefilled once and its cache forked.
+    n_each = requests[0].params.n if len({r.params.n for r in requests}) == 1 else 1
     prompts, seeds, owners = [], [], []
     for i, r in enumerate(requests):
       base = r.params.seed if r.params.seed is not None else i
+      prompts += [r.prompt_token_ids] * (r.params.n // n_each)
       for j in range(r.params.n):
-        prompts.append(r.prompt_token_ids)
         seeds.append((base * 1_000_003 + j) % (1 << 32))
         owners.append((r, j))
-    n = len(prompts)
-    b = bucket_size(n, 1)
+    u = bucket_size(len(prompts), 1)
     p = prompt_length(self.config, max(map(len, prompts)), sp.max_new_tokens)
-    tokens, mask = pad_prompts(prompts, b, p, self.pad_id)
-    seeds_b = np.zeros((b,), np.uint32)
-    seeds_b[:n] = seeds
+    tokens, mask = pad_prompts(prompts, u, p, self.pad_id)
+    seeds_b = np.zeros((u * n_each,), np.uint32)
+    seeds_b[:len(seeds)] = seeds
     out = generate_arrays(self.params, tokens, mask, seeds_b, stop_array(sp.stop_token_ids),
                           config=self.config, max_new_tokens=sp.max_new_tokens,
-                          sampling=EngineSampling(sp.temperature, sp.top_p, sp.top_k))
+                          sampling=EngineSampling(sp.temperature, sp.top_p, sp.top_k),
+                          samples=n_each)
     toks, logps, lens, stopped = parallel.to_host(out)  # every process gets every row
     return [GenerationResult(
         request_id=r.request_id, sample_index=j, prompt_token_ids=r.prompt_token_ids,
