@@ -30,7 +30,10 @@ Reaches (measured, README "SmolLM2 learns"): greedy held-out pass@1 on 128 probl
 steps) 0.14 -> 0.39 over steps 1-50. That run stopped at step 50 of 100 for the session's time
 (its checkpoint resumes it exactly: rerun the same command with the same workdir).
 
-Measured (this project's 2 CPU cores, float32, JAX CPU; the command above):
+Measured (this project's 2 CPU cores, float32, JAX CPU; the command above, before two speed
+changes that leave the algorithm as it was: optim.micro_batches was 1, and every sample
+prefilled its own prompt; on bench_vs_trl's workload the two cut our step by ~10% and the peak
+RSS from 5.8 to 3.2 GiB):
   step time 57.6-63.6 s on the quiet machine (steps 2-6: generation 22.8-26.1 s, update incl.
   the KL probe 34.8-38.8 s; step 1 adds ~15 s of compilation), median 76 s over steps 1-50
   with other jobs running; 50 steps and 6 evaluations took 73 min of wall time;
@@ -96,6 +99,10 @@ def get_config(arg=None):
   cfg.optim.kl_budget_steps = 100
   cfg.optim.alpha_max = 3.0
   cfg.optim.kl_sequences = 8
+  # The step's activations in 4 micro-batches: on bench_vs_trl's 16 x (64 + 64) tokens the
+  # LoGRA step's XLA temp falls from 3.63 to 0.96 GiB and the run's peak RSS from 5.8 to 3.2
+  # GiB; the step got no slower (experiments/memory_breakdown.py, docs/benchmarks.md).
+  cfg.optim.micro_batches = 4
   cfg.optim.telemetry_every = 10  # the realised KL (one more forward) every 10th step
   cfg.eval.k = 1
   cfg.eval.temperature = 0.0
