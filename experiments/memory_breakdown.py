@@ -106,14 +106,14 @@ def reset_peak_rss():
 
 
 def concrete(args):
-  """Zeros (masks and weights all ones) in place of abstract arguments, on their shardings."""
+  """Zeros (masks all ones: every position counts) for abstract arguments, on their shardings."""
   def make(path, x):
     if x is None:
       return None
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       return jax.random.key(0)
     name = jax.tree_util.keystr(path)
-    fill = 1 if 'mask' in name and 'target' not in name or x.dtype == jnp.bool_ else 0
+    fill = 1 if 'mask' in name or x.dtype == jnp.bool_ else 0
     value = jnp.full(x.shape, fill, x.dtype)
     return value if x.sharding is None else jax.device_put(value, x.sharding)
   return jax.tree_util.tree_map_with_path(make, args, is_leaf=lambda x: x is None)

@@ -288,7 +288,8 @@ def _multi_host_run(workdir, extra=(), env=None):
   procs = [subprocess.Popen(
       _train_cmd(workdir, f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
                  f'--process_id={i}', *extra),
-      env=dict(_env(2), **(env or {})), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+      env=dict(_env(2), **(env or {})), cwd=ROOT, stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE, text=True)
       for i in range(2)]
   errs = []
   try:

@@ -108,8 +108,7 @@ def fork_cache(cache, logits_UxV, samples: int):
   i // samples (its keys, values and mask repeated; one cache slot index for all)."""
   if samples == 1:
     return cache, logits_UxV
-  rep = lambda x, axis: jnp.repeat(x, samples, axis=axis, total_repeat_length=x.shape[axis]
-                                   * samples)
+  rep = lambda x, axis: jnp.repeat(x, samples, axis=axis)
   return ({'k': rep(cache['k'], 1), 'v': rep(cache['v'], 1), 'mask': rep(cache['mask'], 0),
            'index': cache['index']}, rep(logits_UxV, 0))
 
@@ -122,9 +121,9 @@ def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
 
   Each prompt is prefilled once and its KV cache forked into `samples` rows (B = U·samples;
   row i continues prompt i // samples with seed seeds_B[i]), so n samples of a prompt pay one
-  prefill. A row's tokens are those of the same prompt repeated `samples` times with
-  `samples=1` (the same keys; the prefill's floats may differ in the last bits with the
-  number of rows it batches).
+  prefill. The rows are those that the prompts, each repeated `samples` times, give with
+  `samples=1` and the same seeds (up to the last bits of the prefill's floats, which may
+  depend on how many rows it batches).
 
   Args:
     params: model params (may be sharded).
@@ -149,8 +148,8 @@ def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
   model = Transformer(config)
   # The barrier keeps XLA from constant-folding prefill attention over the all-zero cache.
   cache = jax.lax.optimization_barrier(init_cache(config, u, p + max_new_tokens))
-  logits_Ux1xV, cache = model.apply({'params': params}, prompt_UxP, attn_mask_BxL=prompt_mask_UxP,
-                                    cache=cache, last_only=True)
+  logits_Ux1xV, cache = model.apply({'params': params}, prompt_UxP,
+                                    attn_mask_BxL=prompt_mask_UxP, cache=cache, last_only=True)
   cache, logits_BxV = fork_cache(cache, logits_Ux1xV[:, -1], samples)
   keys_B = jax.vmap(jax.random.key)(seeds_B)
   state = _State(step=jnp.zeros((), jnp.int32), logits_BxV=logits_BxV,
