@@ -2,17 +2,19 @@
 
   python experiments/memory_breakdown.py                 # SmolLM2, bench_vs_trl's 4 x 4 x 64
   python experiments/memory_breakdown.py --model=tiny    # the tiny config (CI: seconds)
+  python experiments/memory_breakdown.py --set=optim.micro_batches=8   # any config override
 
-Compiles (nothing runs) the trainer's own jitted functions on one device for one workload:
-the LoGRA step and the dense-AdamW step (`analysis.memory_plan.logra_entry` / `dense_entry`:
-the trainer's step builders and shardings), the rollout sampler (`sampler.generate_arrays`
-for the training rows) and the held-out evaluation's sampler (greedy, eval rows). For each:
-argument, output, aliased and temp bytes and peak = argument + output − aliased + temp (what
-the function needs at once), next to the bytes of one fp32 copy of the params and of one
-(rows, completion, vocab) fp32 logits array. Process RSS also holds the Python heap, the
-compiled programs and the GGUF's host copy; this shows what the jitted functions add. The
-process's peak RSS after each stage (imports, model load, each compile) is printed too: the
-compiler's own working memory shows there.
+Compiles the trainer's own jitted functions on one device for one workload: the LoGRA step
+and the dense-AdamW step (`analysis.memory_plan.logra_entry` / `dense_entry`: the trainer's
+step builders and shardings, on the whole batch of prompts x samples rows in
+optim.micro_batches micro-batches), the rollout sampler (`sampler.generate_arrays` for the
+training rows) and the held-out evaluation's sampler (greedy, eval rows). For each: argument,
+output, aliased and temp bytes and peak = argument + output − aliased + temp (what the
+function needs at once), next to the bytes of one fp32 copy of the params and of one (rows,
+completion, vocab) fp32 logits array. Then it runs each function once on zeros and records
+``run_rss_gib``, how far the process's RSS rose above its level just before (Linux: the peak
+is reset through /proc/self/clear_refs first). The process's running peak RSS after each
+stage (imports, model load, each function compiled and run) is printed too.
 
 The LAST line is one JSON object: {"functions": {name: {..., "peak_gib": x}}, "params_gib": p,
 "peak_rss_gib": {stage: g}, "logits_gib": l, "workload": {...}}.
