@@ -14,8 +14,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.presets import PRESETS, get_preset
-from logra_jax.models.transformer import (Transformer, init_cache, init_params, param_count,
-                                          rope_inv_freq)
+from logra_jax.models.transformer import (Transformer, decode_variables, init_cache, init_params,
+                                          param_count, rope_inv_freq)
 
 TOL = 1e-9
 SKETCHED = (('attn', 'q_proj'), ('attn', 'k_proj'), ('attn', 'v_proj'), ('attn', 'o_proj'),
@@ -109,15 +109,19 @@ def test_packed_segments_match_separate_sequences(x64):
   np.testing.assert_allclose(got[4:], forward(params, c, [b])[0], atol=TOL, rtol=TOL)
 
 
-def test_prefill_then_decode_matches_full_forward(x64):
-  c = small_config(qkv_bias=True, architecture='qwen2')
+@pytest.mark.parametrize('decode,tie', [(False, False), (True, False), (True, True)])
+def test_prefill_then_decode_matches_full_forward(x64, decode, tie):
+  """The cached, layer-by-layer path; with `decode=`, from the (D, K) kernel copies (and the
+  head as (V, D): the tied embedding, or the LM head transposed)."""
+  c = small_config(qkv_bias=True, architecture='qwen2', tie_embeddings=tie)
   params = random_params(c)
   tokens = np.array([[0, 0, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6, 7, 8]])
   mask = np.array([[0, 0, 1, 1, 1, 1, 1, 1], [1] * 8], bool)
   full = forward(params, c, tokens, attn_mask_BxL=mask)
   model = Transformer(c)
+  kw = {'decode': decode_variables(c, params)} if decode else {}
   step = jax.jit(lambda t, m, cache: model.apply({'params': params}, t, attn_mask_BxL=m,
-                                                 cache=cache))
+                                                 cache=cache, **kw))
   logits, cache = step(tokens[:, :5], mask[:, :5], init_cache(c, 2, 12))
   pieces = [logits]
   for i in range(5, 8):

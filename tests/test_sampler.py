@@ -1,5 +1,6 @@
 """KV-cache sampler: vs step-by-step full forward passes (float64), top-p sets, context limits."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +274,39 @@ def test_forked_prefill_costs_one_prefill_per_prompt(model):
   forked = flops(tokens, mask, n)['flops']
   repeated = flops(np.repeat(tokens, n, 0), np.repeat(mask, n, 0), 1)['flops']
   assert forked < 0.5 * repeated, (forked, repeated)
+
+
+def _decode_loop(hlo: str) -> str:
+  """The body computation of the compiled decode `while` loop (the one running the model)."""
+  computations = {m.group(1): m.group(0)
+                  for m in re.finditer(r'^%([\w.-]+) \(.*?^}$', hlo, re.M | re.S)}
+  bodies = [computations[name] for name in re.findall(r'body=%([\w.-]+)', hlo)]
+  decode = [b for b in bodies if 'while/body/Transformer' in b]
+  assert len(decode) == 1, [b[:80] for b in bodies]
+  return decode[0]
+
+
+def test_decode_loop_updates_the_cache_and_reads_the_weights_in_place(model):
+  """In the compiled decode loop no KV-cache buffer is copied and no weight is sliced or
+  copied: each layer's (B, K, S, E) buffer is written before it is read (read first, XLA
+  copies it every step), and the steps read per-layer (D, K) kernel copies made once before
+  the loop (slicing the stacked params inside it would copy every weight every step)."""
+  c, params = model
+  tokens, mask = _padded(PROMPTS, 8)
+  hlo = generate_arrays.lower(
+      params, tokens, mask, np.zeros(len(PROMPTS), np.uint32), np.full(4, -1, np.int32),
+      config=c, max_new_tokens=4, sampling=SamplingParams(1.0)).compile().as_text()
+  loop = _decode_loop(hlo)
+  results = re.findall(r'= (\w+\[[\d,]*\])\S* ([\w-]+)\(', loop)  # (shape, op) per line
+  buffer = f'f32[{len(PROMPTS)},{c.num_kv_heads},12,{c.head_dim}]'  # 8 + 4 slots
+  assert (buffer, 'copy') not in results
+  assert any(shape == buffer for shape, _ in results)  # the buffers are in the loop
+  d, f, kv = c.hidden_size, c.intermediate_size, c.num_kv_heads * c.head_dim
+  kernels = {f'f32[{a},{b}]' for a, b in [(d, f), (f, d), (d, d), (d, kv), (kv, d)]}
+  kernels |= {s.replace('[', '[1,') for s in kernels}
+  made = [(s, op) for s, op in results
+          if s in kernels and op not in ('get-tuple-element', 'parameter', 'bitcast')]
+  assert not made, made
 
 
 def test_jax_generator_forks_each_prompt_n_times(model, monkeypatch):

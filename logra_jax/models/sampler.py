@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.models.transformer import Transformer, init_cache
+from logra_jax.models.transformer import Transformer, decode_variables, init_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def sample_token(logits_BxV, keys_B, step, sampling: SamplingParams):
   return token_B.astype(jnp.int32), logprob_B
 
 
-def _decode_step(model, params, keys_B, stop_ids, sampling, max_new, state: _State):
+def _decode_step(model, params, decode, keys_B, stop_ids, sampling, max_new, state: _State):
   done_B = state.stopped_B | (state.lengths_B >= max_new)
   token_B, logprob_B = sample_token(state.logits_BxV, keys_B, state.step, sampling)
   token_B = jnp.where(done_B, 0, token_B)
@@ -97,7 +97,8 @@ def _decode_step(model, params, keys_B, stop_ids, sampling, max_new, state: _Sta
   tokens_BxT = state.tokens_BxT.at[:, state.step].set(token_B)
   logprobs_BxT = state.logprobs_BxT.at[:, state.step].set(logprob_B)
   stopped_B = state.stopped_B | (~done_B & jnp.isin(token_B, stop_ids))
-  logits_Bx1xV, cache = model.apply({'params': params}, token_B[:, None], cache=state.cache)
+  logits_Bx1xV, cache = model.apply({'params': params}, token_B[:, None], cache=state.cache,
+                                    decode=decode)
   return _State(step=state.step + 1, logits_BxV=logits_Bx1xV[:, -1], tokens_BxT=tokens_BxT,
                 logprobs_BxT=logprobs_BxT, lengths_B=state.lengths_B + (~done_B),
                 stopped_B=stopped_B, cache=cache)
@@ -108,9 +109,9 @@ def fork_cache(cache, logits_UxV, samples: int):
   i // samples (its keys, values and mask repeated; one cache slot index for all)."""
   if samples == 1:
     return cache, logits_UxV
-  rep = lambda x, axis: jnp.repeat(x, samples, axis=axis)
-  return ({'k': rep(cache['k'], 1), 'v': rep(cache['v'], 1), 'mask': rep(cache['mask'], 0),
-           'index': cache['index']}, rep(logits_UxV, 0))
+  rep = lambda x: jnp.repeat(x, samples, axis=0)
+  return ({'k': tuple(map(rep, cache['k'])), 'v': tuple(map(rep, cache['v'])),
+           'mask': rep(cache['mask']), 'index': cache['index']}, rep(logits_UxV))
 
 
 @functools.partial(jax.jit, static_argnames=('config', 'max_new_tokens', 'sampling', 'samples'))
@@ -162,8 +163,9 @@ def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
     return (s.step < max_new_tokens) & ~jnp.all(s.stopped_B | (s.lengths_B >= max_new_tokens))
 
   def body(s):
-    return _decode_step(model, params, keys_B, stop_ids, sampling, max_new_tokens, s)
+    return _decode_step(model, params, decode, keys_B, stop_ids, sampling, max_new_tokens, s)
 
+  decode = decode_variables(config, params)  # once, outside the loop (a copy of the weights)
   state = jax.lax.while_loop(cond, body, state)
   return state.tokens_BxT, state.logprobs_BxT, state.lengths_B, state.stopped_B
 

@@ -4,8 +4,9 @@ Shape key: B batch, L query length, S key length (cache slots), D hidden, H quer
 K kv heads, G = H // K, E head dim, F MLP hidden, V vocab, N layers.
 
 Layers run through `nn.scan` (params, projections and probes stacked on a leading N axis,
-logical axis 'layers'), with `jax.checkpoint` per `ModelConfig.remat_policy`. The KV cache is
-an explicit pytree (`init_cache`) scanned as xs/ys, so the module stays purely functional:
+logical axis 'layers'), with `jax.checkpoint` per `ModelConfig.remat_policy`. With a KV cache
+(an explicit pytree, `init_cache`: one buffer per layer) the layers run one by one instead,
+each reading and writing its own buffers in place, so the module stays purely functional:
 
     logits_BxLxV, cache = Transformer(config).apply({'params': params}, tokens_BxL, cache=cache)
 
@@ -17,6 +18,7 @@ each token, so left padding gives the same logits as no padding. `ModelConfig.at
 import functools
 from typing import Any, Optional
 
+from flax import traverse_util
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,9 @@ import numpy as np
 
 from logra_jax.models import attention as attn_lib
 from logra_jax.models.config import ModelConfig
-from logra_jax.sketch.dense import PROBE, PROJECTION, SketchDense
+from logra_jax.sketch.dense import KERNEL_T, PROBE, PROJECTION, SketchDense, matmul_t
 
-Cache = dict  # {'k', 'v': (N, B, S, K, E); 'mask': (B, S) bool; 'index': () int32 next slot}
+Cache = dict  # {'k', 'v': N-tuples of (B, K, S, E); 'mask': (B, S) bool; 'index': () int32}
 # Mesh axes the batch is split over (`logra_jax.parallel`: batches data-parallel over both).
 BATCH_AXES = ('data', 'fsdp')
 
@@ -36,11 +38,17 @@ def _acc(dtype):
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
-  """An empty KV cache of `max_len` slots; every row writes at the same slot `index`."""
-  shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-  dtype = dtype or config.jnp_dtype
-  return {'k': jnp.zeros(shape, dtype), 'v': jnp.zeros(shape, dtype),
-          'mask': jnp.zeros((batch, max_len), bool), 'index': jnp.zeros((), jnp.int32)}
+  """An empty KV cache of `max_len` slots; every row writes at the same slot `index`.
+
+  A separate (B, K, S, E) buffer per layer: a slice of one stacked buffer would be a copy
+  per layer per step on XLA:CPU, and (B, K, S, E) is the layer the attention's dots read
+  without a transpose copy (docs/benchmarks.md, "The embedded sampler's decode").
+  """
+  shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+  zeros = lambda: tuple(jnp.zeros(shape, dtype or config.jnp_dtype)
+                        for _ in range(config.num_layers))
+  return {'k': zeros(), 'v': zeros(), 'mask': jnp.zeros((batch, max_len), bool),
+          'index': jnp.zeros((), jnp.int32)}
 
 
 def constrain_batch(x_BxLxD):
@@ -139,12 +147,25 @@ class Attention(nn.Module):
     k_BxLxKxE = apply_rope(k.reshape(b, l, c.num_kv_heads, c.head_dim), sin, cos)
     v_BxLxKxE = v.reshape(b, l, c.num_kv_heads, c.head_dim)
     new_kv, cached = None, None
-    if layer_cache is not None:  # return only the new k/v; the caller writes them
-      new_kv = {'k': k_BxLxKxE, 'v': v_BxLxKxE}
-      cached = (layer_cache['k'], layer_cache['v'], cache_mask_BxS)
+    if layer_cache is not None:
+      # Written before it is read, so XLA updates the buffers in place; the new slots are not
+      # in the old `cache_mask_BxS`, so the cached part of the attention leaves them out.
+      new_kv = {n: _write_slots(layer_cache[n], new, layer_cache['index'])
+                for n, new in (('k', k_BxLxKxE), ('v', v_BxLxKxE))}
+      # Stored (B, K, S, E) (`init_cache`); the attention reads it as (B, S, K, E).
+      cached = (jnp.swapaxes(new_kv['k'], 1, 2), jnp.swapaxes(new_kv['v'], 1, 2),
+                cache_mask_BxS)
     o_BxLxHE = attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached, c)
     out = _dense(c, self.sketch_mode, c.hidden_size, ('q_heads', 'embed'), 'o_proj')(o_BxLxHE)
     return out, new_kv
+
+
+def _write_slots(buffer_BxKxSxE, new_BxLxKxE, index):
+  """The L new keys (or values) written at slots index.. of a layer's cache buffer."""
+  zero = jnp.zeros_like(index)
+  return jax.lax.dynamic_update_slice(
+      buffer_BxKxSxE, jnp.swapaxes(new_BxLxKxE, 1, 2).astype(buffer_BxKxSxE.dtype),
+      (zero, zero, index, zero))
 
 
 class Mlp(nn.Module):
@@ -187,6 +208,46 @@ def _scanned_block(config: ModelConfig):
                  length=config.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
 
 
+def _unrolled_blocks(config: ModelConfig, layers, x_BxLxD, cache: Cache, sin, cos, masks):
+  """The blocks one by one over a KV cache: (x, [each layer's written {'k', 'v'}]).
+
+  `layers`: one variable tree per layer. Each layer reads its own cache buffers in place;
+  `nn.scan` would slice its weights and cache out of stacked arrays, a copy per layer.
+  """
+  new_kv = []
+  for i, variables in enumerate(layers):
+    layer_cache = {'k': cache['k'][i], 'v': cache['v'][i], 'index': cache['index']}
+    x_BxLxD, kv = Block(config).apply(variables, x_BxLxD, layer_cache, sin, cos, masks,
+                                      cache['mask'])
+    new_kv.append(kv)
+  return x_BxLxD, new_kv
+
+
+def _layer_variables(params, num_layers: int):
+  """Layer i's variable tree, sliced out of the stacked `params['layers']`."""
+  return tuple({'params': jax.tree.map(lambda a: a[i], params['layers'])}
+               for i in range(num_layers))
+
+
+def decode_variables(config: ModelConfig, params) -> dict:
+  """`Transformer(...)(decode=...)`'s trees for few-row steps (decoding), from `params`.
+
+  One variable tree per layer (its norms and biases, and each kernel transposed to (D, K)
+  in the `kernel_t` collection) and the head as (V, D). A copy of the weights: build it once
+  per generation, outside the decode loop.
+  """
+  def layer(i):
+    p = jax.tree.map(lambda a: a[i], params['layers'])
+    flat = traverse_util.flatten_dict(p)
+    return {'params': traverse_util.unflatten_dict(
+                {k: v for k, v in flat.items() if k[-1] != 'kernel'}),
+            KERNEL_T: traverse_util.unflatten_dict(
+                {k: v.T for k, v in flat.items() if k[-1] == 'kernel'})}
+  head, vocab_axis = head_weights(config, params)
+  return {'layers': tuple(layer(i) for i in range(config.num_layers)),
+          'head_t': head if vocab_axis == 0 else head.T}
+
+
 class LMHead(nn.Module):
   vocab_size: int
   dtype: Any = jnp.float32
@@ -219,15 +280,13 @@ def _causal_mask(attn_mask_BxL, segment_ids_BxL=None):
   return mask_BxLxL
 
 
-def _write_cache(cache: Cache, new_kv, attn_mask_BxL) -> Cache:
-  """Writes the L new keys/values and their mask at slot `index` (in place under jit)."""
+def _write_cache(cache: Cache, layers_kv, attn_mask_BxL) -> Cache:
+  """The cache after L new tokens: the layers' written buffers, the tokens' mask at slot
+  `index` (in place under jit), the next slot."""
   index = cache['index']
-  zero = jnp.zeros_like(index)
-  write = lambda old, new, start: jax.lax.dynamic_update_slice(old, new.astype(old.dtype), start)
-  return {'k': write(cache['k'], new_kv['k'], (zero, zero, index, zero, zero)),
-          'v': write(cache['v'], new_kv['v'], (zero, zero, index, zero, zero)),
-          'mask': write(cache['mask'], attn_mask_BxL, (zero, index)),
-          'index': index + attn_mask_BxL.shape[1]}
+  mask = jax.lax.dynamic_update_slice(cache['mask'], attn_mask_BxL, (jnp.zeros_like(index), index))
+  return {'k': tuple(kv['k'] for kv in layers_kv), 'v': tuple(kv['v'] for kv in layers_kv),
+          'mask': mask, 'index': index + attn_mask_BxL.shape[1]}
 
 
 def _masks(config: ModelConfig, attn_mask_BxL, segment_ids_BxL):
@@ -257,6 +316,9 @@ class Transformer(nn.Module):
   `last_only=True` computes the logits of the last position only (B, 1, V) (prefill).
   `return_hidden=True` returns the final (normed) hidden states (B, L, D) in the compute
   dtype instead of logits: project the positions you need with `head_weights`.
+  `decode=decode_variables(config, params)` runs the same numbers for few rows (decoding):
+  the layers one by one from per-layer copies with (D, K) kernels, and the head as (V, D)
+  (`sketch.dense.matmul_t`); `params['layers']` is then not read.
   """
   config: ModelConfig
   sketch_mode: str = 'vjp'
@@ -264,7 +326,7 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
                attn_mask_BxL=None, cache: Optional[Cache] = None, last_only: bool = False,
-               return_hidden: bool = False):
+               return_hidden: bool = False, decode: Optional[dict] = None):
     c = self.config
     attn_mask_BxL = (jnp.ones(tokens_BxL.shape, bool) if attn_mask_BxL is None
                      else attn_mask_BxL.astype(bool))
@@ -275,23 +337,30 @@ class Transformer(nn.Module):
       if cache is not None:  # continue after the real tokens already in the cache
         positions_BxL += cache['mask'].sum(axis=1, dtype=positions_BxL.dtype)[:, None]
     masks = _masks(c, attn_mask_BxL, segment_ids_BxL)
-    layer_caches = None if cache is None else {'k': cache['k'], 'v': cache['v']}
-    cache_mask_BxS = None if cache is None else cache['mask']
+    if decode is not None and cache is None:
+      raise ValueError('decode= needs a KV cache')
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype,
                      param_dtype=c.jnp_param_dtype, name='embed',
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(1.0), ('vocab', 'embed')))
     x_BxLxD = constrain_batch(embed(tokens_BxL))
     sin, cos = rope_sin_cos(c, positions_BxL)
-    x_BxLxD, new_kv = _scanned_block(c)(c, self.sketch_mode, name='layers')(
-        x_BxLxD, layer_caches, sin, cos, masks, cache_mask_BxS)
+    if cache is None:
+      x_BxLxD, _ = _scanned_block(c)(c, self.sketch_mode, name='layers')(
+          x_BxLxD, None, sin, cos, masks, None)
+    else:
+      layers = (decode['layers'] if decode is not None
+                else _layer_variables(self.variables['params'], c.num_layers))
+      x_BxLxD, new_kv = _unrolled_blocks(c, layers, x_BxLxD, cache, sin, cos, masks)
     x_BxLxD = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.jnp_param_dtype, name='final_norm')(x_BxLxD)
     if last_only:
       x_BxLxD = x_BxLxD[:, -1:]
     new_cache = None if cache is None else _write_cache(cache, new_kv, attn_mask_BxL)
     if return_hidden:
       return x_BxLxD, new_cache
-    if c.tie_embeddings:
+    if decode is not None:
+      logits = matmul_t(x_BxLxD, decode['head_t'])
+    elif c.tie_embeddings:
       logits = jnp.einsum('bld,vd->blv', x_BxLxD, embed.embedding.astype(c.jnp_dtype),
                           preferred_element_type=_acc(c.jnp_dtype))
     else:
