@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.models.sampler import SamplingParams, generate, generate_arrays, sample_token
+from logra_jax.models.sampler import (SamplingParams, decode_copy, generate, generate_arrays,
+                                      sample_token)
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl.types import GenerationRequest
 from logra_jax.rl.types import SamplingParams as RequestParams
@@ -210,8 +211,9 @@ def test_generate_rejects_requests_beyond_the_context(model):
   tokens = np.ones((1, 56), np.int32)  # a padded length that does not fit, called directly
   with pytest.raises(ValueError, match=r'padded prompt length \(56 tokens\) \+ max_new_tokens '
                                        r'\(9\) = 65 exceeds'):
-    generate_arrays(params, tokens, tokens > 0, np.zeros(1, np.uint32), np.array([-1], np.int32),
-                    config=c, max_new_tokens=9, sampling=SamplingParams())
+    generate_arrays(params, decode_copy(c, params), tokens, tokens > 0, np.zeros(1, np.uint32),
+                    np.array([-1], np.int32), config=c, max_new_tokens=9,
+                    sampling=SamplingParams())
 
 
 def test_generate_fills_the_context_exactly(model):
@@ -254,9 +256,10 @@ def test_forked_prefill_samples_like_repeated_prompts(model64):
   n, seeds = 3, np.arange(100, 109, dtype=np.uint32)
   kw = dict(config=c, max_new_tokens=6, sampling=SamplingParams(1.3, 0.9, 0))
   stops = np.array([7, -1, -1, -1], np.int32)  # some rows stop early
-  forked = generate_arrays(params, *_padded(PROMPTS), seeds, stops, samples=n, **kw)
-  repeated = generate_arrays(params, *_padded([p for p in PROMPTS for _ in range(n)]), seeds,
-                             stops, **kw)
+  decode = decode_copy(c, params)
+  forked = generate_arrays(params, decode, *_padded(PROMPTS), seeds, stops, samples=n, **kw)
+  repeated = generate_arrays(params, decode, *_padded([p for p in PROMPTS for _ in range(n)]),
+                             seeds, stops, **kw)
   for a, b in zip(forked, repeated):
     assert a.shape == b.shape
     np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
@@ -269,7 +272,7 @@ def test_forked_prefill_costs_one_prefill_per_prompt(model):
   c, params = model
   n, tokens, mask = 4, *_padded(PROMPTS, 32)
   flops = lambda t, m, samples: generate_arrays.lower(
-      params, t, m, np.zeros(len(PROMPTS) * n, np.uint32), np.full(4, -1, np.int32), config=c,
+      params, decode_copy(c, params), t, m, np.zeros(len(PROMPTS) * n, np.uint32), np.full(4, -1, np.int32), config=c,
       max_new_tokens=2, sampling=SamplingParams(1.0), samples=samples).compile().cost_analysis()
   forked = flops(tokens, mask, n)['flops']
   repeated = flops(np.repeat(tokens, n, 0), np.repeat(mask, n, 0), 1)['flops']
@@ -287,24 +290,25 @@ def _decode_loop(hlo: str) -> str:
 
 
 def test_decode_loop_updates_the_cache_and_reads_the_weights_in_place(model):
-  """In the compiled decode loop no KV-cache buffer is copied and no weight is sliced or
-  copied: each layer's (B, K, S, E) buffer is written before it is read (read first, XLA
-  copies it every step), and the steps read per-layer (D, K) kernel copies made once before
-  the loop (slicing the stacked params inside it would copy every weight every step)."""
+  """In the compiled generation no KV-cache buffer is copied in the decode loop and no weight
+  is sliced or copied anywhere: each layer's (B, K, S, E) buffer is written before it is read
+  (read first, XLA copies it every step), and the prefill and the steps read the per-layer
+  (D, K) kernels of `decode_copy` (slicing the stacked params would copy every weight, in
+  the loop every step)."""
   c, params = model
-  tokens, mask = _padded(PROMPTS, 8)
+  tokens, mask = _padded(PROMPTS, 10)  # 30 tokens: no kernel's shape
   hlo = generate_arrays.lower(
-      params, tokens, mask, np.zeros(len(PROMPTS), np.uint32), np.full(4, -1, np.int32),
-      config=c, max_new_tokens=4, sampling=SamplingParams(1.0)).compile().as_text()
-  loop = _decode_loop(hlo)
-  results = re.findall(r'= (\w+\[[\d,]*\])\S* ([\w-]+)\(', loop)  # (shape, op) per line
-  buffer = f'f32[{len(PROMPTS)},{c.num_kv_heads},12,{c.head_dim}]'  # 8 + 4 slots
-  assert (buffer, 'copy') not in results
-  assert any(shape == buffer for shape, _ in results)  # the buffers are in the loop
+      params, decode_copy(c, params), tokens, mask, np.zeros(len(PROMPTS), np.uint32),
+      np.full(4, -1, np.int32), config=c, max_new_tokens=4, sampling=SamplingParams(1.0)).compile().as_text()
+  results = lambda text: re.findall(r'= (\w+\[[\d,]*\])\S* ([\w-]+)\(', text)  # (shape, op)
+  loop = results(_decode_loop(hlo))
+  buffer = f'f32[{len(PROMPTS)},{c.num_kv_heads},14,{c.head_dim}]'  # 10 + 4 slots
+  assert (buffer, 'copy') not in loop
+  assert any(shape == buffer for shape, _ in loop)  # the buffers are in the loop
   d, f, kv = c.hidden_size, c.intermediate_size, c.num_kv_heads * c.head_dim
   kernels = {f'f32[{a},{b}]' for a, b in [(d, f), (f, d), (d, d), (d, kv), (kv, d)]}
   kernels |= {s.replace('[', '[1,') for s in kernels}
-  made = [(s, op) for s, op in results
+  made = [(s, op) for s, op in results(hlo)
           if s in kernels and op not in ('get-tuple-element', 'parameter', 'bitcast')]
   assert not made, made
 
@@ -317,9 +321,9 @@ def test_jax_generator_forks_each_prompt_n_times(model, monkeypatch):
   calls = []
   real = rollout.generate_arrays
 
-  def spy(params, tokens, mask, seeds, stops, **kw):
+  def spy(params, decode, tokens, mask, seeds, stops, **kw):
     calls.append((tokens.shape, seeds.shape, kw['samples']))
-    return real(params, tokens, mask, seeds, stops, **kw)
+    return real(params, decode, tokens, mask, seeds, stops, **kw)
   monkeypatch.setattr(rollout, 'generate_arrays', spy)
   gen = JaxGenerator(c, params)
   sp = RequestParams(temperature=1.0, max_new_tokens=5, n=4, seed=3)

@@ -4,11 +4,17 @@ Shape key: U prompts, B = U·samples generated rows, P prompt length (left padde
 tokens, V vocab.
 
 `generate_arrays` is the jitted array core (one compile per config, sampling settings and
-shapes); `generate` is the list-in / list-out wrapper that pads batch and prompt length to
-power-of-two buckets to limit recompiles. Each row samples with its own key derived from its
-seed, so a row's sample does not depend on the rest of the batch. The returned log-prob of a
-token is under softmax(logits / T) of the full vocabulary (softmax(logits) when greedy), before
-top-k / top-p truncation. A stop token is kept in the completion and counted in its length.
+shapes). It runs the layers one by one from `decode_copy(config, params)`, per-layer
+copies of the weights with (D, K) kernels, made by its own jitted call before each generation
+(on XLA:CPU a 16-row `x @ W` is 2-3x slower than `(Wᵀ xᵀ)ᵀ`, and a scan's per-layer slice
+of stacked weights is a copy every step), and writes each layer's KV-cache buffer in place
+(docs/benchmarks.md, "The embedded sampler's decode"). The copy costs one more set of layer
+weights while generating. `generate` is the
+list-in / list-out wrapper that pads batch and prompt length to power-of-two buckets to limit
+recompiles. Each row samples with its own key derived from its seed, so a row's sample does
+not depend on the rest of the batch. The returned log-prob of a token is under
+softmax(logits / T) of the full vocabulary (softmax(logits) when greedy), before top-k / top-p
+truncation. A stop token is kept in the completion and counted in its length.
 A prompt plus `max_new_tokens` must fit the model's context (`max_position_embeddings`): a
 longer request is an error before anything is generated.
 """
@@ -114,8 +120,13 @@ def fork_cache(cache, logits_UxV, samples: int):
            'mask': rep(cache['mask']), 'index': cache['index']}, rep(logits_UxV))
 
 
+# Its own program: built inside `generate_arrays`, XLA keeps the per-layer slices it copies
+# from alive next to the copy (0.90 vs 0.11 GiB temp at 16 rows of SmolLM2 + the 0.40 GiB copy).
+decode_copy = jax.jit(decode_variables, static_argnums=0)
+
+
 @functools.partial(jax.jit, static_argnames=('config', 'max_new_tokens', 'sampling', 'samples'))
-def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
+def generate_arrays(params, decode, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
                     config: ModelConfig, max_new_tokens: int, sampling: SamplingParams,
                     samples: int = 1):
   """Generates up to `max_new_tokens` per row from left-padded prompts.
@@ -128,6 +139,7 @@ def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
 
   Args:
     params: model params (may be sharded).
+    decode: `decode_copy(config, params)`; the prefill and the decode steps read it.
     prompt_UxP: int32 prompts, left padded; every row needs at least one real token.
     prompt_mask_UxP: bool, True on real prompt tokens.
     seeds_B: int seeds, one per generated row (U·samples).
@@ -150,7 +162,8 @@ def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
   # The barrier keeps XLA from constant-folding prefill attention over the all-zero cache.
   cache = jax.lax.optimization_barrier(init_cache(config, u, p + max_new_tokens))
   logits_Ux1xV, cache = model.apply({'params': params}, prompt_UxP,
-                                    attn_mask_BxL=prompt_mask_UxP, cache=cache, last_only=True)
+                                    attn_mask_BxL=prompt_mask_UxP, cache=cache, last_only=True,
+                                    decode=decode)
   cache, logits_BxV = fork_cache(cache, logits_Ux1xV[:, -1], samples)
   keys_B = jax.vmap(jax.random.key)(seeds_B)
   state = _State(step=jnp.zeros((), jnp.int32), logits_BxV=logits_BxV,
@@ -165,7 +178,6 @@ def generate_arrays(params, prompt_UxP, prompt_mask_UxP, seeds_B, stop_ids, *,
   def body(s):
     return _decode_step(model, params, decode, keys_B, stop_ids, sampling, max_new_tokens, s)
 
-  decode = decode_variables(config, params)  # once, outside the loop (a copy of the weights)
   state = jax.lax.while_loop(cond, body, state)
   return state.tokens_BxT, state.logprobs_BxT, state.lengths_B, state.stopped_B
 
@@ -236,8 +248,8 @@ def generate(params, config: ModelConfig, prompt_ids: Sequence[Sequence[int]],
   tokens, mask = pad_prompts(prompt_ids, batch, length, config.pad_token_id or 0)
   seeds_B = np.zeros((batch,), np.uint32)
   seeds_B[:n] = np.asarray(seeds, np.int64).astype(np.uint32)
-  out = generate_arrays(params, tokens, mask, seeds_B, stop_array(stop_token_ids), config=config,
-                        max_new_tokens=max_new_tokens,
+  out = generate_arrays(params, decode_copy(config, params), tokens, mask, seeds_B,
+                        stop_array(stop_token_ids), config=config, max_new_tokens=max_new_tokens,
                         sampling=SamplingParams(temperature, top_p, top_k))
   toks, logps, lens, stopped = jax.device_get(out)
   return SampleOutput(

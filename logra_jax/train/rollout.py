@@ -15,8 +15,8 @@ import numpy as np
 from logra_jax import parallel
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.sampler import SamplingParams as EngineSampling
-from logra_jax.models.sampler import (bucket_size, generate_arrays, pad_prompts, prompt_length,
-                                      stop_array)
+from logra_jax.models.sampler import (bucket_size, decode_copy, generate_arrays, pad_prompts,
+                                      prompt_length, stop_array)
 from logra_jax.rl.types import GenerationRequest, GenerationResult
 
 
@@ -76,8 +76,8 @@ class JaxGenerator:
     tokens, mask = pad_prompts(prompts, u, p, self.pad_id)
     seeds_b = np.zeros((u * n_each,), np.uint32)
     seeds_b[:len(seeds)] = seeds
-    out = generate_arrays(self.params, tokens, mask, seeds_b, stop_array(sp.stop_token_ids),
-                          config=self.config, max_new_tokens=sp.max_new_tokens,
+    out = generate_arrays(self.params, decode_copy(self.config, self.params), tokens, mask,
+                          seeds_b, stop_array(sp.stop_token_ids), config=self.config, max_new_tokens=sp.max_new_tokens,
                           sampling=EngineSampling(sp.temperature, sp.top_p, sp.top_k),
                           samples=n_each)
     toks, logps, lens, stopped = parallel.to_host(out)  # every process gets every row
