@@ -272,8 +272,9 @@ def test_forked_prefill_costs_one_prefill_per_prompt(model):
   c, params = model
   n, tokens, mask = 4, *_padded(PROMPTS, 32)
   flops = lambda t, m, samples: generate_arrays.lower(
-      params, decode_copy(c, params), t, m, np.zeros(len(PROMPTS) * n, np.uint32), np.full(4, -1, np.int32), config=c,
-      max_new_tokens=2, sampling=SamplingParams(1.0), samples=samples).compile().cost_analysis()
+      params, decode_copy(c, params), t, m, np.zeros(len(PROMPTS) * n, np.uint32),
+      np.full(4, -1, np.int32), config=c, max_new_tokens=2, sampling=SamplingParams(1.0),
+      samples=samples).compile().cost_analysis()
   forked = flops(tokens, mask, n)['flops']
   repeated = flops(np.repeat(tokens, n, 0), np.repeat(mask, n, 0), 1)['flops']
   assert forked < 0.5 * repeated, (forked, repeated)
@@ -299,7 +300,8 @@ def test_decode_loop_updates_the_cache_and_reads_the_weights_in_place(model):
   tokens, mask = _padded(PROMPTS, 10)  # 30 tokens: no kernel's shape
   hlo = generate_arrays.lower(
       params, decode_copy(c, params), tokens, mask, np.zeros(len(PROMPTS), np.uint32),
-      np.full(4, -1, np.int32), config=c, max_new_tokens=4, sampling=SamplingParams(1.0)).compile().as_text()
+      np.full(4, -1, np.int32), config=c, max_new_tokens=4,
+      sampling=SamplingParams(1.0)).compile().as_text()
   results = lambda text: re.findall(r'= (\w+\[[\d,]*\])\S* ([\w-]+)\(', text)  # (shape, op)
   loop = results(_decode_loop(hlo))
   buffer = f'f32[{len(PROMPTS)},{c.num_kv_heads},14,{c.head_dim}]'  # 10 + 4 slots

@@ -9,14 +9,13 @@ copies of the weights with (D, K) kernels, made by its own jitted call before ea
 (on XLA:CPU a 16-row `x @ W` is 2-3x slower than `(Wᵀ xᵀ)ᵀ`, and a scan's per-layer slice
 of stacked weights is a copy every step), and writes each layer's KV-cache buffer in place
 (docs/benchmarks.md, "The embedded sampler's decode"). The copy costs one more set of layer
-weights while generating. `generate` is the
-list-in / list-out wrapper that pads batch and prompt length to power-of-two buckets to limit
-recompiles. Each row samples with its own key derived from its seed, so a row's sample does
-not depend on the rest of the batch. The returned log-prob of a token is under
-softmax(logits / T) of the full vocabulary (softmax(logits) when greedy), before top-k / top-p
-truncation. A stop token is kept in the completion and counted in its length.
-A prompt plus `max_new_tokens` must fit the model's context (`max_position_embeddings`): a
-longer request is an error before anything is generated.
+weights while generating. `generate` is the list-in / list-out wrapper that pads batch and
+prompt length to power-of-two buckets to limit recompiles. Each row samples with its own key
+derived from its seed, so a row's sample does not depend on the rest of the batch. The
+returned log-prob of a token is under softmax(logits / T) of the full vocabulary
+(softmax(logits) when greedy), before top-k / top-p truncation. A stop token is kept in the
+completion and counted in its length. A prompt plus `max_new_tokens` must fit the model's
+context (`max_position_embeddings`): a longer request is an error before anything is generated.
 """
 import dataclasses
 import functools

@@ -41,7 +41,7 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None)
   """An empty KV cache of `max_len` slots; every row writes at the same slot `index`.
 
   A separate (B, K, S, E) buffer per layer: a slice of one stacked buffer would be a copy
-  per layer per step on XLA:CPU, and (B, K, S, E) is the layer the attention's dots read
+  per layer per step on XLA:CPU, and (B, K, S, E) is the layout the attention's dots read
   without a transpose copy (docs/benchmarks.md, "The embedded sampler's decode").
   """
   shape = (batch, config.num_kv_heads, max_len, config.head_dim)
@@ -233,8 +233,8 @@ def decode_variables(config: ModelConfig, params) -> dict:
   """`Transformer(...)(decode=...)`'s trees for few-row steps (decoding), from `params`.
 
   One variable tree per layer (its norms and biases, and each kernel transposed to (D, K)
-  in the `kernel_t` collection) and the head as (V, D). A copy of the weights: build it once
-  per generation, outside the decode loop.
+  in the `kernel_t` collection) and the head as (V, D). A copy of the layer weights:
+  `sampler.decode_copy` makes it in its own program, once per generation.
   """
   def layer(i):
     p = jax.tree.map(lambda a: a[i], params['layers'])
@@ -284,7 +284,8 @@ def _write_cache(cache: Cache, layers_kv, attn_mask_BxL) -> Cache:
   """The cache after L new tokens: the layers' written buffers, the tokens' mask at slot
   `index` (in place under jit), the next slot."""
   index = cache['index']
-  mask = jax.lax.dynamic_update_slice(cache['mask'], attn_mask_BxL, (jnp.zeros_like(index), index))
+  zero = jnp.zeros_like(index)
+  mask = jax.lax.dynamic_update_slice(cache['mask'], attn_mask_BxL, (zero, index))
   return {'k': tuple(kv['k'] for kv in layers_kv), 'v': tuple(kv['v'] for kv in layers_kv),
           'mask': mask, 'index': index + attn_mask_BxL.shape[1]}
 

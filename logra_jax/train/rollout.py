@@ -77,7 +77,8 @@ class JaxGenerator:
     seeds_b = np.zeros((u * n_each,), np.uint32)
     seeds_b[:len(seeds)] = seeds
     out = generate_arrays(self.params, decode_copy(self.config, self.params), tokens, mask,
-                          seeds_b, stop_array(sp.stop_token_ids), config=self.config, max_new_tokens=sp.max_new_tokens,
+                          seeds_b, stop_array(sp.stop_token_ids), config=self.config,
+                          max_new_tokens=sp.max_new_tokens,
                           sampling=EngineSampling(sp.temperature, sp.top_p, sp.top_k),
                           samples=n_each)
     toks, logps, lens, stopped = parallel.to_host(out)  # every process gets every row
