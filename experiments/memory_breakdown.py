@@ -162,7 +162,7 @@ def sampler_memory(model, params, rows: int, prompt_len: int, new_tokens: int,
       *a, config=model.config, max_new_tokens=new_tokens,
       sampling=sampler.SamplingParams(temperature, 1.0, 0)))
   out = measure(fn, args)  # the decode copy is an argument: made before, by its own program
-  out['decode_copy_gib'] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(decode)) / 2**30
+  out['decode_copy_gib'] = memory_plan.global_bytes(decode) / 2**30
   return out
 
 

@@ -236,15 +236,14 @@ def decode_variables(config: ModelConfig, params) -> dict:
   in the `kernel_t` collection) and the head as (V, D). A copy of the layer weights:
   `sampler.decode_copy` makes it in its own program, once per generation.
   """
-  def layer(i):
-    p = jax.tree.map(lambda a: a[i], params['layers'])
-    flat = traverse_util.flatten_dict(p)
+  def transposed(variables):
+    flat = traverse_util.flatten_dict(variables['params'])
     return {'params': traverse_util.unflatten_dict(
                 {k: v for k, v in flat.items() if k[-1] != 'kernel'}),
             KERNEL_T: traverse_util.unflatten_dict(
                 {k: v.T for k, v in flat.items() if k[-1] == 'kernel'})}
   head, vocab_axis = head_weights(config, params)
-  return {'layers': tuple(layer(i) for i in range(config.num_layers)),
+  return {'layers': tuple(map(transposed, _layer_variables(params, config.num_layers))),
           'head_t': head if vocab_axis == 0 else head.T}
 
 
