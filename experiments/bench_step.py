@@ -78,7 +78,6 @@ def build_model(cfg):
   """(Transformer, params) as the trainer builds them (tiny: the task gives the vocabulary)."""
   task = tasks.build_task(cfg) if not cfg.model.path else None
   model, _, params = tasks.build_model(cfg, task)
-  tasks._LOADED.clear()  # pylint: disable=protected-access  # the host copy: 0.5 GB for SmolLM2
   return model, params
 
 

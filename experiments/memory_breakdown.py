@@ -90,7 +90,6 @@ def abstract_model(cfg):
   """(model, abstract params) as the trainer builds them (SmolLM2: read from the GGUF)."""
   task = tasks.build_task(cfg) if not cfg.model.path else None
   model, _, params = tasks.build_model(cfg, task)
-  tasks._LOADED.clear()  # pylint: disable=protected-access
   return model, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
 
 

@@ -17,7 +17,7 @@ from logra_jax import parallel, sketch
 from logra_jax.rl.advantages import get_advantage_fn
 from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
-from logra_jax.train import steps, summary, tasks, warm_start_cache
+from logra_jax.train import host_memory, steps, summary, tasks, warm_start_cache
 from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.fleet import FleetGenerator
 from logra_jax.train.config import TrainConfig
@@ -96,6 +96,8 @@ class Trainer:
   def __init__(self, cfg: TrainConfig, workdir: str, log=print, layout=None):
     self.started = time.perf_counter()  # the summary's wall time: construction to the end
     self.cfg, self.workdir, self.log = cfg, workdir, log
+    # Freed XLA buffers go back to the system, not into glibc's arenas (host_memory).
+    host_memory.return_freed_pages()
     self.layout = layout or parallel.layout_from_config(cfg.mesh)
     self.task = tasks.build_task(cfg)
     self.model, self.model_config, params = tasks.build_model(cfg, self.task, self.layout)
@@ -174,6 +176,7 @@ class Trainer:
     cfg, t = self.cfg, self.step + 1
     start = time.perf_counter()
     batch, p, results, scores, stale, generate_s = self.collect(t)
+    host_memory.release()  # what the sampler freed, before the step allocates
     self.last_batch = (batch, p)  # the host batch the update saw (experiments/kl_probe_size)
     generated = start + generate_s
     if self.cfg.rl.kl_coef:
@@ -201,6 +204,7 @@ class Trainer:
     metrics.setdefault('predicted_kl', float('nan'))
     metrics.setdefault('alpha', float('nan'))
     metrics.setdefault('kl_budget', float('nan'))
+    host_memory.release()
     return metrics
 
   def run(self, progress: bool = True):
@@ -209,6 +213,7 @@ class Trainer:
     if self.step == 0:
       last_eval = evaluate(self.task, self.generator, self.scorer, cfg, 0)
       self.writer.write(0, last_eval)
+      host_memory.release()
     bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not progress, desc='rl')
     while self.step < cfg.total_steps:
       metrics = self.train_step()
@@ -216,9 +221,11 @@ class Trainer:
       if t % cfg.eval_every == 0 or t == cfg.total_steps:
         last_eval = evaluate(self.task, self.generator, self.scorer, cfg, t)
         metrics.update(last_eval)
+        host_memory.release()
       self.writer.write(t, metrics)
       if t % cfg.checkpoint_every == 0 or t == cfg.total_steps:
         self.save()
+        host_memory.release()
       bar.update(1)
       bar.set_postfix(progress_postfix(metrics, last_eval))
     bar.close()

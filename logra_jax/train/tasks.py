@@ -163,7 +163,7 @@ _LOADED = {}
 
 
 def _load(cfg: TrainConfig):
-  """The checkpoint at model.path, loaded once per process."""
+  """The checkpoint at model.path as host numpy, loaded once until `build_model` takes it."""
   from logra_jax.models import load  # pylint: disable=g-import-not-at-top
   path, dtype = cfg.model.path, cfg.model.param_dtype
   if (path, dtype) not in _LOADED:
@@ -189,6 +189,9 @@ def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None):
                 attention_block=m.attention_block, vocab_chunk=m.vocab_chunk)
   if m.path:
     loaded = _load(cfg)
+    # The host copy goes once its params are on the devices (0.5 GiB for SmolLM2 in fp32,
+    # 6 GiB for a 1.5B model): a second build_model loads the checkpoint again.
+    del _LOADED[m.path, m.param_dtype]
     mc = loaded.config.replace(dtype=m.dtype, param_dtype=m.param_dtype, **memory)
     params = parallel.put(loaded.params, parallel.param_shardings(layout, mc))
   else:
