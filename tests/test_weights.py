@@ -11,6 +11,8 @@ import copy
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import jax
@@ -454,3 +456,17 @@ def test_error_gguf_unknown_architecture(tmp_path):
 def test_error_unknown_source():
   with pytest.raises(ValueError, match='neither an HF checkpoint directory'):
     models.load('no-such-model')
+
+
+def test_error_gguf_tokenizer_without_torch():
+  """transformers' GGUF reader imports torch: without it the error says so (not a bare
+  ModuleNotFoundError from inside transformers)."""
+  code = ('import sys; sys.modules["torch"] = None\n'
+          'from logra_jax.models import gguf_io\n'
+          'try:\n'
+          '  gguf_io.gguf_tokenizer(gguf_io.packaged_smollm2_gguf())\n'
+          'except ImportError as e:\n'
+          '  print(e)\n')
+  out = subprocess.run([sys.executable, '-c', code], check=True, capture_output=True,
+                       text=True).stdout
+  assert 'GGUF reader imports torch' in out and 'requirements-test.txt' in out, out

@@ -139,6 +139,11 @@ def load_gguf(path: str, dtype: Any = None):
 def gguf_tokenizer(path: str):
   """The transformers tokenizer that transformers builds from the GGUF metadata (offline)."""
   from transformers import AutoTokenizer  # heavy import, only when a tokenizer is wanted
+  try:  # transformers' GGUF reader (5.x) imports torch, which only requirements-test.txt has
+    from transformers.integrations.gguf import reader  # noqa: F401
+  except ImportError as e:
+    raise ImportError(f'the tokenizer of {path} is built by transformers, whose GGUF reader '
+                      f'imports torch ({e}): pip install the torch of requirements-test.txt') from e
   path = os.path.abspath(os.fspath(path))
   return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                        local_files_only=True)

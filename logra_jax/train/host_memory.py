@@ -9,38 +9,27 @@ step allocate different shapes, so the arenas fragment and keep what each phase 
 SmolLM2, between RL steps, 2.9 GiB of RSS held 0.5 GiB of live arrays, and `malloc_trim(0)`
 took it to 1.3 GiB (docs/benchmarks.md, "Peak RSS").
 
-`Trainer` calls `return_freed_pages()` once (a fixed threshold: blocks of 256 KiB and more
-are mapped and unmapped, never kept) and `release()` after each phase (what the arenas still
-hold goes back). Both are glibc's own calls (`mallopt`, `malloc_trim`); where the C library
-is not glibc they do nothing and return False.
+`Trainer` calls `release()` after each phase: what the arenas hold free goes back to the
+system. It is glibc's own call (`malloc_trim`); where the C library is not glibc it does
+nothing and returns False. (A fixed mmap threshold, `mallopt(M_MMAP_THRESHOLD, 256 KiB)`, gave
+back about as much but made the training step 1.12x slower: docs/benchmarks.md.)
 """
 
 import ctypes
 import functools
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter; a fixed value also stops the rising
-MMAP_THRESHOLD_BYTES = 256 * 1024
-
 
 @functools.cache
 def _glibc():
-  """The process's C library where it has glibc's malloc_trim and mallopt, else None."""
+  """The process's C library where it has glibc's malloc_trim, else None."""
   try:
     libc = ctypes.CDLL(None)
   except OSError:
     return None
-  if not (hasattr(libc, 'malloc_trim') and hasattr(libc, 'mallopt')):
+  if not hasattr(libc, 'malloc_trim'):
     return None
   libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-  libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
   return libc
-
-
-def return_freed_pages(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-  """Maps every block of ``threshold`` bytes or more on its own (freed = returned), for the
-  whole process. True where glibc took the setting."""
-  libc = _glibc()
-  return bool(libc and libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1)
 
 
 def release() -> bool:

@@ -96,8 +96,6 @@ class Trainer:
   def __init__(self, cfg: TrainConfig, workdir: str, log=print, layout=None):
     self.started = time.perf_counter()  # the summary's wall time: construction to the end
     self.cfg, self.workdir, self.log = cfg, workdir, log
-    # Freed XLA buffers go back to the system, not into glibc's arenas (host_memory).
-    host_memory.return_freed_pages()
     self.layout = layout or parallel.layout_from_config(cfg.mesh)
     self.task = tasks.build_task(cfg)
     self.model, self.model_config, params = tasks.build_model(cfg, self.task, self.layout)
