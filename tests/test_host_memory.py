@@ -1,19 +1,14 @@
 """The trainer's host memory: what glibc's arenas keep goes back to the system
-(logra_jax/train/host_memory), the loop releases after each phase, and the checkpoint's host
-copy is dropped once placed."""
-import dataclasses
+(logra_jax/train/host_memory), and the loop releases after each phase. (The checkpoint's host
+copy dropped once placed: tests/test_param_dtype.py.)"""
 import subprocess
 import sys
 import textwrap
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from logra_jax import models
-from logra_jax.train import host_memory, loop, tasks
-from logra_jax.train.config import TrainConfig
+from logra_jax.train import host_memory, loop
 from trainer_runs import format_reward, make_config, quiet  # noqa: F401  (autouse fixture)
 
 GLIBC = host_memory._glibc() is not None  # pylint: disable=protected-access
@@ -63,22 +58,3 @@ def test_the_loop_releases_after_generation_the_step_the_evaluation_and_the_save
   # After the step-0 evaluation; per step after the generation and after the step; after the
   # step-2 evaluation and the step-2 checkpoint.
   assert len(calls) == 1 + 2 * 2 + 2, calls
-
-
-def test_build_model_drops_the_host_copy_once_the_params_are_placed(tmp_path):
-  config = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
-                              num_kv_heads=2, intermediate_size=48, max_position_embeddings=64,
-                              bos_token_id=1, eos_token_ids=(2,), pad_token_id=0)
-  models.Model(config, models.init_params(config, jax.random.key(3)), 'random').save(
-      str(tmp_path))
-  cfg = dataclasses.replace(TrainConfig(), model=dataclasses.replace(TrainConfig().model,
-                                                                     path=str(tmp_path)))
-  task = tasks.build_task(TrainConfig())
-  tasks._load(cfg)  # pylint: disable=protected-access  # what build_task does for a tokenizer
-  assert (str(tmp_path), 'float32') in tasks._LOADED  # pylint: disable=protected-access
-  _, _, first = tasks.build_model(cfg, task)
-  assert not tasks._LOADED  # pylint: disable=protected-access
-  _, _, again = tasks.build_model(cfg, task)  # loaded from the checkpoint again
-  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert {x.dtype for x in jax.tree.leaves(first)} == {jnp.dtype('float32')}

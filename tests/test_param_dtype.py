@@ -48,12 +48,16 @@ def test_preset_params_are_created_in_param_dtype(dtype):
   assert dtypes(params) == {jnp.dtype(dtype)}
 
 
-def test_checkpoint_is_loaded_in_param_dtype(tmp_path):
+def save_checkpoint(path):
+  """A random 2-layer Llama-style checkpoint (config.json + safetensors) at ``path``."""
   config = models.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                               num_kv_heads=2, intermediate_size=48, max_position_embeddings=64,
                               bos_token_id=1, eos_token_ids=(2,), pad_token_id=0)
-  models.Model(config, models.init_params(config, jax.random.key(3)), 'random').save(
-      str(tmp_path))
+  models.Model(config, models.init_params(config, jax.random.key(3)), 'random').save(str(path))
+
+
+def test_checkpoint_is_loaded_in_param_dtype(tmp_path):
+  save_checkpoint(tmp_path)
   base = with_model(TrainConfig(), path=str(tmp_path))
   task = tasks.build_task(TrainConfig())
   tasks._LOADED.clear()  # pylint: disable=protected-access
@@ -82,3 +86,20 @@ def test_paper_configs_bf16_params_for_logra_fp32_master_weights_for_adam(name):
   if name.startswith('qwen'):
     adam = _paper_config(name, 'adam')
     assert (adam.optim.name, adam.model.param_dtype) == ('adam', 'float32')
+
+
+def test_build_model_drops_the_host_copy_once_the_params_are_placed(tmp_path):
+  """The checkpoint's numpy copy (0.5 GiB for SmolLM2 fp32) lives only until its params are on
+  the devices; a second build_model loads the same params again."""
+  save_checkpoint(tmp_path)
+  cfg = with_model(TrainConfig(), path=str(tmp_path))
+  task = tasks.build_task(TrainConfig())
+  tasks._LOADED.clear()  # pylint: disable=protected-access
+  tasks._load(cfg)  # pylint: disable=protected-access  # what build_task does for a tokenizer
+  assert (str(tmp_path), 'float32') in tasks._LOADED  # pylint: disable=protected-access
+  _, _, first = tasks.build_model(cfg, task)
+  assert not tasks._LOADED  # pylint: disable=protected-access
+  _, _, again = tasks.build_model(cfg, task)
+  assert not tasks._LOADED  # pylint: disable=protected-access
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -459,8 +459,8 @@ def test_error_unknown_source():
 
 
 def test_error_gguf_tokenizer_without_torch():
-  """transformers' GGUF reader imports torch: without it the error says so (not a bare
-  ModuleNotFoundError from inside transformers)."""
+  """transformers' GGUF reader imports torch: without it the error says so (transformers' own
+  is "Could not import module 'read_gguf_metadata'", which names neither torch nor a fix)."""
   code = ('import sys; sys.modules["torch"] = None\n'
           'from logra_jax.models import gguf_io\n'
           'try:\n'

@@ -3,8 +3,8 @@
 XLA:CPU takes every buffer from malloc. glibc serves a block above its mmap threshold with a
 mapping of its own, unmapped when freed, and everything smaller from arenas whose freed pages
 stay resident. The threshold starts at 128 KiB and rises, up to 32 MiB, to the size of every
-mapped block that is freed; after the first generation nearly every buffer (per-layer cache
-buffers and weight copies, activations) comes from the arenas. The sampler and the training
+mapped block that is freed; after the first generation the per-layer cache buffers, weight
+copies and activations (1-32 MiB each on SmolLM2) come from the arenas. The sampler and the training
 step allocate different shapes, so the arenas fragment and keep what each phase freed: on
 SmolLM2, between RL steps, 2.9 GiB of RSS held 0.5 GiB of live arrays, and `malloc_trim(0)`
 took it to 1.3 GiB (docs/benchmarks.md, "Peak RSS").
