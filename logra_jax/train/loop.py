@@ -155,6 +155,13 @@ class Trainer:
       meta['rollouts'] = self.rollouts.get_state()
     self.ckpt.save(self.step, {'method': self.state, 'adv': self.adv_state, 'ref': self.ref},
                    meta)
+    host_memory.release()
+
+  def _evaluate(self, t: int) -> dict:
+    """The held-out evaluation at step t; what its sampler freed goes back (host_memory)."""
+    out = evaluate(self.task, self.generator, self.scorer, self.cfg, t)
+    host_memory.release()
+    return out
 
   def collect(self, t: int):
     """Step t's training batch: rollouts, rewards, advantages (the estimator's state
@@ -209,21 +216,18 @@ class Trainer:
     cfg, first = self.cfg, self.step
     last_eval = self._logged_eval()
     if self.step == 0:
-      last_eval = evaluate(self.task, self.generator, self.scorer, cfg, 0)
+      last_eval = self._evaluate(0)
       self.writer.write(0, last_eval)
-      host_memory.release()
     bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not progress, desc='rl')
     while self.step < cfg.total_steps:
       metrics = self.train_step()
       t = self.step
       if t % cfg.eval_every == 0 or t == cfg.total_steps:
-        last_eval = evaluate(self.task, self.generator, self.scorer, cfg, t)
+        last_eval = self._evaluate(t)
         metrics.update(last_eval)
-        host_memory.release()
       self.writer.write(t, metrics)
       if t % cfg.checkpoint_every == 0 or t == cfg.total_steps:
         self.save()
-        host_memory.release()
       bar.update(1)
       bar.set_postfix(progress_postfix(metrics, last_eval))
     bar.close()
