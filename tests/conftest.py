@@ -25,7 +25,7 @@ HEAVY_FILES = {
     'test_ablations.py': 300, 'test_trainer.py': 300, 'test_notebooks.py': 270,
     'test_vllm_bridge.py': 200, 'test_configs.py': 170, 'test_weights.py': 150,
     'test_train_steps.py': 150, 'test_trainer_paths.py': 150, 'test_bridge.py': 120,
-    'test_chunked.py': 110, 'test_memory_plan.py': 90,
+    'test_chunked.py': 110, 'test_memory_plan.py': 90, 'test_bench_vs_trl.py': 85,
 }
 
 
