@@ -458,15 +458,39 @@ def test_error_unknown_source():
     models.load('no-such-model')
 
 
-def test_error_gguf_tokenizer_without_torch():
-  """transformers' GGUF reader imports torch: without it the error says so (transformers' own
-  is "Could not import module 'read_gguf_metadata'", which names neither torch nor a fix)."""
+def test_gguf_tokenizer_builds_without_torch():
+  """transformers' GGUF reader imports torch; ours must not (it is only in requirements-test)."""
   code = ('import sys; sys.modules["torch"] = None\n'
           'from logra_jax.models import gguf_io\n'
-          'try:\n'
-          '  gguf_io.gguf_tokenizer(gguf_io.packaged_smollm2_gguf())\n'
-          'except ImportError as e:\n'
-          '  print(e)\n')
+          'tok = gguf_io.gguf_tokenizer(gguf_io.packaged_smollm2_gguf())\n'
+          'print(tok.encode("12 + 30 ="), tok.eos_token)\n')
   out = subprocess.run([sys.executable, '-c', code], check=True, capture_output=True,
                        text=True).stdout
-  assert 'GGUF reader imports torch' in out and 'requirements-test.txt' in out, out
+  assert out.strip() == '[33, 34, 1232, 216, 35, 32, 446] <|im_end|>', out
+
+
+TOKENIZER_TEXTS = (
+    'Hello world', '  two  spaces\tand a tab\n\nnewlines', '12 + 30 = 42', '-7 - 1234567',
+    'caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001f600', '<answer>42</answer>',
+    '<|im_start|>user\nhi<|im_end|>', "don't  I'll we've", '', ' leading', 'trailing ',
+    'x' * 300)
+
+
+def test_gguf_tokenizer_equals_transformers_own_loader(smollm):
+  """Ours (gguf's reader, transformers' converter) against AutoTokenizer's GGUF path (which
+  imports torch): the same ids, decodes, special tokens and chat template."""
+  ref = transformers.AutoTokenizer.from_pretrained(
+      os.path.dirname(GGUF_PATH), gguf_file=os.path.basename(GGUF_PATH), local_files_only=True)
+  ours = smollm.tokenizer
+  for text in TOKENIZER_TEXTS:
+    ids = ours.encode(text)
+    assert ids == ref.encode(text), text
+    assert ours.decode(ids) == ref.decode(ids), text
+  assert ours.all_special_tokens == ref.all_special_tokens
+  assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id, ours.unk_token_id) == (
+      ref.bos_token_id, ref.eos_token_id, ref.pad_token_id, ref.unk_token_id)
+  assert ours.chat_template == ref.chat_template and ours.chat_template
+  chat = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': '2 + 2?'}]
+  assert ours.apply_chat_template(chat, add_generation_prompt=True) == ref.apply_chat_template(
+      chat, add_generation_prompt=True)
+  assert len(ours) == len(ref) == smollm.config.vocab_size
