@@ -81,12 +81,14 @@ def build_model(cfg):
   return model, params
 
 
-def make_batch(model, params, n, p, t, seed=0):
-  """n rows of p prompt + t completion tokens (random ids), advantages ~ N(0, 1), behaviour
-  log-probs = the model's own (importance ratios 1)."""
+def make_batch(model, params, n, p, t, seed=0, samples=1):
+  """n rows of p prompt + t completion tokens (random ids; runs of ``samples`` rows share a
+  prompt, as a step's samples do), advantages ~ N(0, 1), behaviour log-probs = the model's
+  own (importance ratios 1)."""
   rng = np.random.default_rng(seed)
   vocab = model.config.vocab_size
   tokens = rng.integers(3, vocab, (n, p + t)).astype(np.int32)
+  tokens[:, :p] = np.repeat(tokens[::samples, :p], samples, axis=0)
   batch = dict(tokens=tokens, mask=np.ones((n, p + t), bool), targets=tokens[:, p:],
                target_mask=np.ones((n, t), np.float32),
                advantages=rng.normal(size=n).astype(np.float32))
@@ -179,8 +181,9 @@ def main(argv=None):
   cfg = make_config(args)
   model, params = build_model(cfg)
   n, p, t = args.prompts * args.samples, args.prompt_len, args.new_tokens
-  batch = make_batch(model, params, n, p, t)
+  batch = make_batch(model, params, n, p, t, samples=args.samples)
   workload = dict(model=args.model, rows=n, prompt_len=p, new_tokens=t, reps=args.reps,
+                  share_prompts=cfg.optim.share_prompts,
                   rank=cfg.optim.rank, kl_control=cfg.optim.kl_control,
                   telemetry_every=cfg.optim.telemetry_every, dtype=cfg.model.dtype,
                   backend=jax.default_backend(), devices=jax.device_count())

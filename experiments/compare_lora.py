@@ -43,10 +43,13 @@ MEMORY_KEYS = ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_b
 
 
 def synthetic_batch(cfg, vocab: int, prompt_len: int) -> dict:
-  """A batch of the run's shape: random tokens, every position real, advantages +-1."""
-  n, t = cfg.data.prompts_per_step * cfg.data.samples_per_prompt, cfg.rollout.max_new_tokens
+  """A batch of the run's shape: random tokens (a prompt's samples share it), every position
+  real, advantages +-1."""
+  g = cfg.data.samples_per_prompt
+  n, t = cfg.data.prompts_per_step * g, cfg.rollout.max_new_tokens
   rng = np.random.default_rng(cfg.seed)
   tokens = rng.integers(1, vocab, (n, prompt_len + t)).astype(np.int32)
+  tokens[:, :prompt_len] = np.repeat(tokens[::g, :prompt_len], g, axis=0)
   return {'tokens': tokens, 'mask': np.ones(tokens.shape, bool),
           'targets': tokens[:, prompt_len:], 'target_mask': np.ones((n, t), np.float32),
           'behaviour_logp': np.full((n, t), -np.log(vocab), np.float32),

@@ -11,7 +11,8 @@ each reading and writing its own buffers in place, so the module stays purely fu
     logits_BxLxV, cache = Transformer(config).apply({'params': params}, tokens_BxL, cache=cache)
 
 Masks: keys that are padding (`attn_mask_BxL` False), in the future, or in another segment
-(`segment_ids_BxL`) are never attended. Positions default to the count of real tokens before
+(`segment_ids_BxL`) are never attended; with `shared_prefix=True` segment 0 is a prefix that
+every later segment attends (a prompt shared by the completions packed after it). Positions default to the count of real tokens before
 each token, so left padding gives the same logits as no padding. `ModelConfig.attention`
 'blockwise' never forms the L×L scores; `return_hidden=True` skips the vocabulary head.
 """
@@ -104,11 +105,13 @@ def apply_rope(x_BxLxHxE, sin_BxLxE, cos_BxLxE):
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached=None, config=None):
   """`config.attention` (models/attention.py): 'dense' with the (B, L, L) bool mask, or
-  'blockwise' with {'attn': (B, L) bool[, 'segments': (B, L)]}; cached = (k, v, key_mask)."""
+  'blockwise' with {'attn': (B, L) bool[, 'segments': (B, L)[, 'prefix': (B, L) bool]]};
+  cached = (k, v, key_mask)."""
   if config is None or config.attention == 'dense':
     return attn_lib.dense_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached)
   return attn_lib.blockwise_attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks['attn'],
-                                      masks.get('segments'), cached, config.attention_block)
+                                      masks.get('segments'), cached, config.attention_block,
+                                      masks.get('prefix'))
 
 
 class RMSNorm(nn.Module):
@@ -271,11 +274,14 @@ def default_positions(attn_mask_BxL, segment_ids_BxL=None):
   return jnp.maximum(jnp.cumsum(attn_mask_BxL, axis=1) - 1, 0)
 
 
-def _causal_mask(attn_mask_BxL, segment_ids_BxL=None):
+def _causal_mask(attn_mask_BxL, segment_ids_BxL=None, shared_prefix=False):
   l = attn_mask_BxL.shape[1]
   mask_BxLxL = jnp.tril(jnp.ones((l, l), bool))[None] & attn_mask_BxL[:, None, :]
   if segment_ids_BxL is not None:
-    mask_BxLxL &= segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+    if shared_prefix:
+      same |= (segment_ids_BxL == 0)[:, None, :]
+    mask_BxLxL &= same
   return mask_BxLxL
 
 
@@ -289,13 +295,15 @@ def _write_cache(cache: Cache, layers_kv, attn_mask_BxL) -> Cache:
           'mask': mask, 'index': index + attn_mask_BxL.shape[1]}
 
 
-def _masks(config: ModelConfig, attn_mask_BxL, segment_ids_BxL):
+def _masks(config: ModelConfig, attn_mask_BxL, segment_ids_BxL, shared_prefix=False):
   """What `attention` needs: the (B, L, L) mask (dense) or the per-token masks (blockwise)."""
   if config.attention == 'dense':
-    return _causal_mask(attn_mask_BxL, segment_ids_BxL)
+    return _causal_mask(attn_mask_BxL, segment_ids_BxL, shared_prefix)
   masks = {'attn': attn_mask_BxL}
   if segment_ids_BxL is not None:
     masks['segments'] = segment_ids_BxL
+    if shared_prefix:
+      masks['prefix'] = segment_ids_BxL == 0
   return masks
 
 
@@ -316,6 +324,8 @@ class Transformer(nn.Module):
   `last_only=True` computes the logits of the last position only (B, 1, V) (prefill).
   `return_hidden=True` returns the final (normed) hidden states (B, L, D) in the compute
   dtype instead of logits: project the positions you need with `head_weights`.
+  `shared_prefix=True` (with `segment_ids_BxL` and explicit `positions_BxL`): segment 0 is
+  attended by every segment (`logra_jax.train.completion.pack_prompt_groups`).
   `decode=decode_variables(config, params)` runs the same numbers for few rows (decoding):
   the layers one by one from per-layer copies with (D, K) kernels, and the head as (V, D)
   (`sketch.dense.matmul_t`); `params['layers']` is then not read.
@@ -326,17 +336,21 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
                attn_mask_BxL=None, cache: Optional[Cache] = None, last_only: bool = False,
-               return_hidden: bool = False, decode: Optional[dict] = None):
+               return_hidden: bool = False, decode: Optional[dict] = None,
+               shared_prefix: bool = False):
     c = self.config
     attn_mask_BxL = (jnp.ones(tokens_BxL.shape, bool) if attn_mask_BxL is None
                      else attn_mask_BxL.astype(bool))
     if cache is not None and segment_ids_BxL is not None:
       raise ValueError('segment_ids_BxL cannot be combined with a KV cache')
+    if shared_prefix and (segment_ids_BxL is None or positions_BxL is None):
+      raise ValueError('shared_prefix=True needs segment_ids_BxL and explicit positions_BxL '
+                       '(the default positions restart at every segment)')
     if positions_BxL is None:
       positions_BxL = default_positions(attn_mask_BxL, segment_ids_BxL)
       if cache is not None:  # continue after the real tokens already in the cache
         positions_BxL += cache['mask'].sum(axis=1, dtype=positions_BxL.dtype)[:, None]
-    masks = _masks(c, attn_mask_BxL, segment_ids_BxL)
+    masks = _masks(c, attn_mask_BxL, segment_ids_BxL, shared_prefix)
     if decode is not None and cache is None:
       raise ValueError('decode= needs a KV cache')
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype,

@@ -87,6 +87,8 @@ class OptimSection:
   lr_schedule: str = 'constant'  # | 'cosine' (to 0.1x over total_steps)
   warmup_steps: int = 0
   micro_batches: int = 1
+  share_prompts: bool = True  # a prompt's samples compute its prompt once (packed rows,
+  #   train/completion.py; same numbers): fewer positions forward and backward
   max_grad_norm: float = 0.0  # adam/lora global-norm clipping (0: off)
   # LoGRA
   sketch_optimizer: str = 'row_adam'  # | 'sgd'

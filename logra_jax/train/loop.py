@@ -21,7 +21,7 @@ from logra_jax.train import host_memory, steps, summary, tasks, warm_start_cache
 from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.fleet import FleetGenerator
 from logra_jax.train.config import TrainConfig
-from logra_jax.train.methods import get_method
+from logra_jax.train.methods import get_method, prompt_group
 from logra_jax.train.metrics import MetricWriter, read_metrics
 from logra_jax.train.rollout import JaxGenerator, Rollouts, assemble_batch
 
@@ -187,7 +187,8 @@ class Trainer:
     if self.cfg.rl.kl_coef:
       if p not in self._ref_fns:
         self._ref_fns[p] = steps.make_ref_logp(self.model, p, cfg.rollout.temperature,
-                                               self.method.ref_shardings)
+                                               self.method.ref_shardings,
+                                               prompt_group(cfg))
       batch['ref_logp'] = parallel.to_host(
           self._ref_fns[p](self.ref, self.method.put_batch(batch)))
     budget = float(sketch.effective_budget(self.budget(t - 1), self.mismatch))

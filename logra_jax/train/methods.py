@@ -21,7 +21,7 @@ import numpy as np
 from logra_jax import parallel, sketch
 from logra_jax.models import hf_io
 from logra_jax.rl import losses as rl_losses
-from logra_jax.train import lora, optimizers, steps
+from logra_jax.train import lora, optimizers, rollout, steps
 from logra_jax.train.config import TrainConfig
 
 
@@ -39,7 +39,14 @@ def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
                           o.kl_probe, o.alpha_max, o.sparse_mask,
                           return_update=cfg.rollout.engine == 'http',
                           telemetry_every=o.telemetry_every,
-                          param_rounding=o.param_rounding)
+                          param_rounding=o.param_rounding,
+                          prompt_group=prompt_group(cfg))
+
+
+def prompt_group(cfg: TrainConfig) -> int:
+  """Rows per shared prompt in the steps (`steps.StepConfig.prompt_group`): a step's samples of
+  one prompt, with optim.share_prompts; else 1."""
+  return cfg.data.samples_per_prompt if cfg.optim.share_prompts else 1
 
 
 @dataclasses.dataclass
@@ -74,12 +81,17 @@ class Placement:
     n = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
     lay = self.layout
     self.batch = lay.batch if n % lay.mesh.size == 0 else lay.replicated
+    self.group = prompt_group(cfg)
 
   def step_shardings(self, opt_state, params=None, train=None, accum=None):
     return steps.StepShardings(params, opt_state, self.batch, self.layout.replicated,
                                train, accum)
 
-  def put_batch(self, batch):
+  def put_batch(self, batch, prompt_len: Optional[int] = None):
+    """The host batch placed data-parallel; with ``prompt_len``, for a step that shares prompts
+    (`prompt_group`), first checked to hold each group's prompt in its rows (ValueError)."""
+    if prompt_len is not None and self.group > 1:
+      rollout.check_prompt_groups(jax.tree.map(np.asarray, batch), prompt_len, self.group)
     return parallel.put(batch, jax.tree.map(lambda _: self.batch, batch))
 
 
@@ -128,7 +140,7 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
   def step(state, batch, prompt_len, t, budget):
     key = jax.random.fold_in(jax.random.key(cfg.seed), t)
     a_step = optimizers.projection_step(o, t)
-    out = get(prompt_len, spec_at(t))(state['params'], state['opt_state'], pl.put_batch(batch),
+    out = get(prompt_len, spec_at(t))(state['params'], state['opt_state'], pl.put_batch(batch, prompt_len),
                                       np.uint32(cfg.seed), np.uint32(a_step),
                                       np.float32(budget), key,
                                       telemetry=steps.telemetry_at(o.telemetry_every, t))
@@ -157,7 +169,7 @@ def adam_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = Non
   def step(state, batch, prompt_len, t, budget):
     del budget
     params, opt_state, metrics = get(prompt_len)(
-        None, state['params'], state['opt_state'], pl.put_batch(batch),
+        None, state['params'], state['opt_state'], pl.put_batch(batch, prompt_len),
         telemetry=steps.telemetry_at(cfg.optim.telemetry_every, t))
     return {'params': params, 'opt_state': opt_state}, metrics
 
@@ -191,7 +203,7 @@ def lora_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = Non
   def step(state, batch, prompt_len, t, budget):
     del budget
     ab, opt_state, metrics = get(prompt_len)(state['params'], state['lora'],
-                                             state['opt_state'], pl.put_batch(batch),
+                                             state['opt_state'], pl.put_batch(batch, prompt_len),
                                              telemetry=steps.telemetry_at(o.telemetry_every, t))
     return dict(state, lora=ab, opt_state=opt_state), metrics
 

@@ -114,6 +114,23 @@ def assemble_batch(results: Sequence[GenerationResult], advantages, max_new_toke
   return batch, p
 
 
+def check_prompt_groups(batch, prompt_len: int, group: int):
+  """Raises ValueError unless every run of ``group`` rows holds one prompt (tokens and mask
+  of the first ``prompt_len`` positions): what prompt sharing (`StepConfig.prompt_group`)
+  relies on. `assemble_batch` of a step's results (a prompt's samples contiguous) passes."""
+  tokens, mask = batch['tokens'][:, :prompt_len], batch['mask'][:, :prompt_len]
+  n = tokens.shape[0]
+  if n % group:
+    raise ValueError(f'{n} rows do not split into prompt groups of {group}')
+  first = np.repeat(np.arange(0, n, group), group)
+  bad = np.flatnonzero(np.any((tokens != tokens[first]) | (mask != mask[first]), axis=1))
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f'row {i} of the batch does not hold the prompt of row {first[i]}, the '
+                     f'first of its group of {group}: prompt sharing needs each prompt\'s '
+                     'samples in contiguous rows (set optim.share_prompts=False otherwise)')
+
+
 # --- the rollout schedule -----------------------------------------------------------------
 
 

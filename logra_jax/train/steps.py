@@ -42,8 +42,8 @@ def _mismatch(logits, batch, temperature):
 
 def _chunked_loss_fn(model, loss_cfg, prompt_len):
   """`_loss_fn` over vocabulary chunks (`ModelConfig.vocab_chunk` > 0): no (N, T, V) logits."""
-  def loss(variables, mb, weight):
-    out = completion.forward(model, variables, mb, prompt_len)
+  def loss(variables, mb, weight, share=1):
+    out = completion.forward(model, variables, mb, prompt_len, share)
     logp, entropy = completion.logprobs_and_entropy(model, out, mb['targets'],
                                                     loss_cfg.temperature)
     value, metrics = rl_losses.rl_loss_from_logprobs(
@@ -56,11 +56,13 @@ def _chunked_loss_fn(model, loss_cfg, prompt_len):
 
 
 def _loss_fn(model, loss_cfg, prompt_len):
+  """``loss(variables, mb, weight, share=1)`` -> (weighted loss, metrics); ``share``: rows in
+  runs of that many sharing a prompt (`completion.forward`)."""
   if model.config.vocab_chunk:
     return _chunked_loss_fn(model, loss_cfg, prompt_len)
 
-  def loss(variables, mb, weight):
-    logits = completion_logits(model, variables, mb, prompt_len)
+  def loss(variables, mb, weight, share=1):
+    logits = completion.forward(model, variables, mb, prompt_len, share)
     value, metrics = rl_losses.rl_loss(loss_cfg, logits, mb['targets'], mb['behaviour_logp'],
                                        mb['advantages'], mb['target_mask'], mb.get('ref_logp'))
     metrics = dict(metrics, mismatch=_mismatch(logits, mb, loss_cfg.temperature))
@@ -155,12 +157,41 @@ def _mb_sharding(sh, batch, m):
   return micro_batch_sharding(sh and sh.batch, n, m)
 
 
-def _kl_batch(batch, n, sh):
-  """`_kl_subset`, its rows split over the devices (else every device probes all n)."""
+def prompt_share(rows, group: int, split: int = 1, divides: Optional[int] = None) -> int:
+  """How many consecutive ``rows`` (batch row indices) one packed row can hold: the largest s
+  whose runs rows[k·s : (k+1)·s] each lie in one prompt group (rows g·group … g·group +
+  group − 1 share a prompt), with len(rows)/s a multiple of ``split`` (the devices the rows
+  are split over stay busy) and s dividing ``divides`` (a micro-batch's rows). 1: no sharing.
+  """
+  n = len(rows)
+  for s in range(min(group, n), 1, -1):
+    if n % s or (n // s) % split or (divides and divides % s):
+      continue
+    if all(len({r // group for r in rows[k:k + s]}) == 1 for k in range(0, n, s)):
+      return s
+  return 1
+
+
+def _rows_split(sharding) -> int:
+  return 1 if sharding is None else _split_size(sharding)
+
+
+def _kl_batch(batch, n, sh, group=1):
+  """(`_kl_subset`, its `prompt_share`), its rows split over the devices (else every device
+  probes all n)."""
+  total = jax.tree.leaves(batch)[0].shape[0]
   kl_batch = _kl_subset(batch, n)
   rows = rows_sharding(sh and sh.batch, jax.tree.leaves(kl_batch)[0].shape[0])
-  return kl_batch if rows is None else jax.lax.with_sharding_constraint(
-      kl_batch, jax.tree.map(lambda _: rows, kl_batch))
+  share = prompt_share(kl_rows(total, n), group, _rows_split(rows))
+  return (kl_batch if rows is None else jax.lax.with_sharding_constraint(
+      kl_batch, jax.tree.map(lambda _: rows, kl_batch))), share
+
+
+def _mb_share(sc, batch, mb_sharding) -> int:
+  """`prompt_share` of the micro-batches' rows (each of N/M rows, split as ``mb_sharding``)."""
+  n = jax.tree.leaves(batch)[0].shape[0]
+  return prompt_share(range(n), sc.prompt_group, _rows_split(mb_sharding),
+                      divides=n // sc.micro_batches)
 
 
 def _constrain(tree, shardings):
@@ -168,10 +199,13 @@ def _constrain(tree, shardings):
 
 
 def make_ref_logp(model, prompt_len: int, temperature: float,
-                  sh: Optional[StepShardings] = None):
-  """Jitted log-probs of the completion tokens under reference params (the KL penalty)."""
+                  sh: Optional[StepShardings] = None, prompt_group: int = 1):
+  """Jitted log-probs of the completion tokens under reference params (the KL penalty);
+  ``prompt_group``: rows in runs of that many sharing a prompt (`StepConfig.prompt_group`)."""
   def ref_logp(ref_params, batch):
-    out = completion.forward(model, {'params': ref_params}, batch, prompt_len)
+    n = jax.tree.leaves(batch)[0].shape[0]
+    share = prompt_share(range(n), prompt_group, _rows_split(rows_sharding(sh and sh.batch, n)))
+    out = completion.forward(model, {'params': ref_params}, batch, prompt_len, share)
     return completion.logprobs(model, out, batch['targets'], temperature)
   if sh is None:
     return jax.jit(ref_logp)
@@ -228,6 +262,10 @@ class StepConfig(NamedTuple):
   # How a bf16 kernel stores W + α·AᵀU: 'stochastic' (unbiased, keyed by the step's key) or
   # 'nearest'. fp32 kernels are exact either way (config key optim.param_rounding).
   param_rounding: str = 'stochastic'
+  # Rows come in runs of this many sharing one prompt (the trainer: data.samples_per_prompt
+  # with optim.share_prompts): each run's prompt is computed once (`completion.forward`,
+  # `prompt_share`). 1: every row computes its own prompt.
+  prompt_group: int = 1
 
 
 def telemetry_at(telemetry_every: int, t: int) -> bool:
@@ -340,19 +378,21 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   _check_rounding(sc)
 
   def update(params, opt_state, batch, projections, budget, key, telemetry=True):
-    grad_fn = lambda mb, w: sketch.sketch_value_and_grad(loss, has_aux=True)(
+    mb_sharding = _mb_sharding(sh, batch, sc.micro_batches)
+    mb_loss = functools.partial(loss, share=_mb_share(sc, batch, mb_sharding))
+    grad_fn = lambda mb, w: sketch.sketch_value_and_grad(mb_loss, has_aux=True)(
         params, projections, mb, w)
     probes = _constrain(sketch.zero_probes(params, projections), sh and sh.accum)
     s, metrics = accumulate(grad_fn, probes, batch, sc.micro_batches, loss_cfg.aggregation,
-                            _mb_sharding(sh, batch, sc.micro_batches))
+                            mb_sharding)
     if sc.sparse_mask:
       s = sketch.sparse_mask_tree(s, key, sc.sparse_mask)
     kernels = sketch.kernels_of(params, projections)
     u, new_opt_state = opt.update(s, opt_state, kernels, projections=projections)
-    kl_batch = _kl_batch(batch, sc.kl_sequences, sh)
+    kl_batch, kl_share = _kl_batch(batch, sc.kl_sequences, sh, sc.prompt_group)
     kl_mask = kl_batch['target_mask']
     out_fn = lambda p, m=linear: completion.forward(
-        m, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len)
+        m, sketch.sketch_variables(params, projections, p), kl_batch, sc.prompt_len, kl_share)
     probe = lambda: _kl_probe(model, out_fn, fd_linear, probes, u, sc.kl_probe, budget, temp,
                               kl_mask)
     probed = probe() if sc.kl_control else None
@@ -363,8 +403,8 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     new_params = jax.lax.cond(ok, apply, lambda: params)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
     realized = lambda base: completion.mean_kl(
-        model, base, completion.forward(model, {'params': new_params}, kl_batch, sc.prompt_len),
-        temp, kl_mask)
+        model, base, completion.forward(model, {'params': new_params}, kl_batch, sc.prompt_len,
+                                        kl_share), temp, kl_mask)
     q, realized_kl = _probe_telemetry(sc, probe, realized, probed, telemetry)
     metrics.update(
         predicted_kl=alpha**2 * q, kl_coefficient=q, alpha=alpha, kl_budget=budget,
@@ -429,20 +469,22 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
   loss = _loss_fn(model, loss_cfg, sc.prompt_len)
 
   def step(params, train, opt_state, batch, telemetry):
+    mb_sharding = _mb_sharding(sh, batch, sc.micro_batches)
+    share = _mb_share(sc, batch, mb_sharding)
     grad_fn = lambda mb, w: jax.value_and_grad(
-        lambda t: loss(variables(params, t), mb, w), has_aux=True)(train)
+        lambda t: loss(variables(params, t), mb, w, share), has_aux=True)(train)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(jnp.float32, x.dtype)),
                          train)
     zeros = _constrain(zeros, sh and sh.accum)
     g, metrics = accumulate(grad_fn, zeros, batch, sc.micro_batches, loss_cfg.aggregation,
-                            _mb_sharding(sh, batch, sc.micro_batches))
+                            mb_sharding)
     updates, new_opt_state = opt.update(g, opt_state, train)
     ok = _all_finite(g) & jnp.isfinite(metrics['loss'])
     new_train = jax.tree.map(lambda p, u: jnp.where(ok, p + u.astype(p.dtype), p), train, updates)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
-    kl_batch = _kl_batch(batch, sc.kl_sequences, sh)
+    kl_batch, kl_share = _kl_batch(batch, sc.kl_sequences, sh, sc.prompt_group)
     forward = lambda t: completion.forward(model, variables(params, t), kl_batch,
-                                           sc.prompt_len)
+                                           sc.prompt_len, kl_share)
     realized = lambda: completion.mean_kl(model, forward(train), forward(new_train), temp,
                                           kl_batch['target_mask'])
     realized_kl = _when(telemetry, realized) if sc.telemetry_every else jnp.float32(jnp.nan)
