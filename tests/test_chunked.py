@@ -11,11 +11,14 @@ Memory claims are checked on the traced programs (forward and backward): no arra
 (L, L) score shape in blockwise attention, no (tokens, V) array in the chunked losses; and on
 the compiled CPU programs' temp bytes against the dense paths.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import numerics
 from logra_jax import sketch
 from logra_jax.analysis import hlo
 from logra_jax.models import attention as attn
@@ -31,18 +34,8 @@ RTOL = 1e-11
 B, T, D, V = 3, 4, 5, 13
 TEMP = 0.7
 
-
-def close(actual, expected, rtol=RTOL):
-  """|actual − expected| <= rtol · max|expected|."""
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  scale = max(float(np.max(np.abs(expected))), 1e-300)
-  np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
-
-
-def close_trees(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    close(x, y)
+close = functools.partial(numerics.close, rtol=RTOL)
+close_trees = functools.partial(numerics.close_trees, rtol=RTOL)
 
 
 def head_data(vocab_axis):

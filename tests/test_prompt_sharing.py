@@ -10,16 +10,20 @@ orders of margin and catches any real error (a completion attending another comp
 shifted position, moves logits by > 1e-2). Float64, tiny shapes; dense and blockwise attention,
 full and vocabulary-chunked heads; the LoGRA and dense-AdamW steps end to end.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import numerics
 from logra_jax import sketch
 from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl import losses as rl_losses
-from logra_jax.train import completion, optimizers, rollout, steps
+from logra_jax.train import completion, methods, optimizers, steps
+from logra_jax.train import config as config_lib
 from logra_jax.train.config import OptimSection
 
 pytestmark = pytest.mark.usefixtures('x64')
@@ -27,17 +31,8 @@ RTOL = 1e-10
 G, PROMPTS, P, T = 3, 2, 5, 4  # samples per prompt, prompts, prompt length, completion length
 N = G * PROMPTS
 
-
-def close(actual, expected, rtol=RTOL):
-  actual, expected = np.asarray(actual), np.asarray(expected)
-  scale = max(float(np.max(np.abs(expected))), 1e-300)
-  np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * scale)
-
-
-def close_trees(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    close(x, y)
+close = functools.partial(numerics.close, rtol=RTOL)
+close_trees = functools.partial(numerics.close_trees, rtol=RTOL)
 
 
 def tiny_config(**kw):
@@ -162,8 +157,16 @@ def test_logra_and_dense_steps_with_prompt_sharing_equal_the_unshared_steps(setu
 
 
 def test_trainer_rejects_rows_whose_group_does_not_share_a_prompt():
+  """Every method's step places its batch through `Placement.put_batch`, which checks it."""
+  cfg = config_lib.default_config()
+  cfg.data.prompts_per_step, cfg.data.samples_per_prompt = PROMPTS, G
+  placement = methods.Placement(config_lib.from_config_dict(cfg), Transformer(tiny_config()),
+                                None)
   batch = grouped_batch()
-  rollout.check_prompt_groups(batch, P, G)  # the layout assemble_batch makes
+  placement.put_batch(batch, P)  # the layout assemble_batch makes
   batch['tokens'][G + 1, P - 1] += 1  # the second group's second row: another prompt
   with pytest.raises(ValueError, match='row 4 .* prompt of row 3'):
-    rollout.check_prompt_groups(batch, P, G)
+    placement.put_batch(batch, P)
+  cfg.optim.share_prompts = False  # nothing packed, nothing to check
+  methods.Placement(config_lib.from_config_dict(cfg), Transformer(tiny_config()),
+                    None).put_batch(batch, P)

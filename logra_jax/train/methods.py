@@ -140,7 +140,8 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
   def step(state, batch, prompt_len, t, budget):
     key = jax.random.fold_in(jax.random.key(cfg.seed), t)
     a_step = optimizers.projection_step(o, t)
-    out = get(prompt_len, spec_at(t))(state['params'], state['opt_state'], pl.put_batch(batch, prompt_len),
+    out = get(prompt_len, spec_at(t))(state['params'], state['opt_state'],
+                                      pl.put_batch(batch, prompt_len),
                                       np.uint32(cfg.seed), np.uint32(a_step),
                                       np.float32(budget), key,
                                       telemetry=steps.telemetry_at(o.telemetry_every, t))
