@@ -12,9 +12,10 @@ each reading and writing its own buffers in place, so the module stays purely fu
 
 Masks: keys that are padding (`attn_mask_BxL` False), in the future, or in another segment
 (`segment_ids_BxL`) are never attended; with `shared_prefix=True` segment 0 is a prefix that
-every later segment attends (a prompt shared by the completions packed after it). Positions default to the count of real tokens before
-each token, so left padding gives the same logits as no padding. `ModelConfig.attention`
-'blockwise' never forms the L×L scores; `return_hidden=True` skips the vocabulary head.
+every later segment attends (a prompt shared by the completions packed after it). Positions
+default to the count of real tokens before each token, so left padding gives the same logits
+as no padding. `ModelConfig.attention` 'blockwise' never forms the L×L scores;
+`return_hidden=True` skips the vocabulary head.
 """
 import functools
 from typing import Any, Optional
