@@ -125,6 +125,19 @@ def test_prompt_share_keeps_runs_inside_groups_micro_batches_and_devices():
   assert steps.prompt_share(range(12), 6, divides=4) == 2  # runs may not straddle groups
 
 
+def test_micro_batches_split_over_devices_keep_every_device_packing():
+  """16 rows in 2 micro-batches of 8, split over 4 devices, groups of 4: runs of 2 (4 packed
+  rows per micro-batch, one per device), not of 4 (2 packed rows: two devices idle)."""
+  mesh = jax.sharding.AbstractMesh((1, 4), ('data', 'fsdp'))
+  sh = steps.StepShardings(None, None, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(('data', 'fsdp'))), None)
+  sc = steps.StepConfig(prompt_len=P, micro_batches=2, kl_sequences=8, kl_control=True,
+                        kl_probe='jvp', alpha_max=3.0, sparse_mask=0.0, prompt_group=4)
+  batch = {'tokens': np.zeros((16, P + T), np.int32)}
+  assert steps._mb_share(sc, batch, sh) == 2  # pylint: disable=protected-access
+  assert steps._mb_share(sc, batch, None) == 4  # pylint: disable=protected-access
+
+
 def loss_config():
   return rl_losses.LossConfig('reinforce_tis', (('cap', 2.0),), entropy_coef=0.01)
 

@@ -160,20 +160,18 @@ def _mb_sharding(sh, batch, m):
 def prompt_share(rows, group: int, split: int = 1, divides: Optional[int] = None) -> int:
   """How many consecutive ``rows`` (batch row indices) one packed row can hold: the largest s
   whose runs rows[k·s : (k+1)·s] each lie in one prompt group (rows g·group … g·group +
-  group − 1 share a prompt), with len(rows)/s a multiple of ``split`` (the devices the rows
-  are split over stay busy) and s dividing ``divides`` (a micro-batch's rows). 1: no sharing.
+  group − 1 share a prompt), s dividing ``divides`` (the rows of one call: a micro-batch; else
+  all of them), and that call's packed rows a multiple of ``split`` (the devices its rows are
+  split over stay busy). 1: no sharing.
   """
   n = len(rows)
+  per_call = divides or n
   for s in range(min(group, n), 1, -1):
-    if n % s or (n // s) % split or (divides and divides % s):
+    if n % s or per_call % s or (per_call // s) % split:
       continue
     if all(len({r // group for r in rows[k:k + s]}) == 1 for k in range(0, n, s)):
       return s
   return 1
-
-
-def _rows_split(sharding) -> int:
-  return 1 if sharding is None else _split_size(sharding)
 
 
 def _kl_batch(batch, n, sh, group=1):
@@ -182,16 +180,17 @@ def _kl_batch(batch, n, sh, group=1):
   total = jax.tree.leaves(batch)[0].shape[0]
   kl_batch = _kl_subset(batch, n)
   rows = rows_sharding(sh and sh.batch, jax.tree.leaves(kl_batch)[0].shape[0])
-  share = prompt_share(kl_rows(total, n), group, _rows_split(rows))
+  share = prompt_share(kl_rows(total, n), group, _split_size(rows))
   return (kl_batch if rows is None else jax.lax.with_sharding_constraint(
       kl_batch, jax.tree.map(lambda _: rows, kl_batch))), share
 
 
-def _mb_share(sc, batch, mb_sharding) -> int:
-  """`prompt_share` of the micro-batches' rows (each of N/M rows, split as ``mb_sharding``)."""
+def _mb_share(sc, batch, sh) -> int:
+  """`prompt_share` of the micro-batches' rows: N/M each, split over the batch's devices
+  where `micro_batch_sharding` splits them (its spec splits axis 1, the rows)."""
   n = jax.tree.leaves(batch)[0].shape[0]
-  return prompt_share(range(n), sc.prompt_group, _rows_split(mb_sharding),
-                      divides=n // sc.micro_batches)
+  split = _split_size(sh.batch) if _mb_sharding(sh, batch, sc.micro_batches) else 1
+  return prompt_share(range(n), sc.prompt_group, split, divides=n // sc.micro_batches)
 
 
 def _constrain(tree, shardings):
@@ -204,7 +203,7 @@ def make_ref_logp(model, prompt_len: int, temperature: float,
   ``prompt_group``: rows in runs of that many sharing a prompt (`StepConfig.prompt_group`)."""
   def ref_logp(ref_params, batch):
     n = jax.tree.leaves(batch)[0].shape[0]
-    share = prompt_share(range(n), prompt_group, _rows_split(rows_sharding(sh and sh.batch, n)))
+    share = prompt_share(range(n), prompt_group, _split_size(rows_sharding(sh and sh.batch, n)))
     out = completion.forward(model, {'params': ref_params}, batch, prompt_len, share)
     return completion.logprobs(model, out, batch['targets'], temperature)
   if sh is None:
@@ -379,7 +378,7 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
 
   def update(params, opt_state, batch, projections, budget, key, telemetry=True):
     mb_sharding = _mb_sharding(sh, batch, sc.micro_batches)
-    mb_loss = functools.partial(loss, share=_mb_share(sc, batch, mb_sharding))
+    mb_loss = functools.partial(loss, share=_mb_share(sc, batch, sh))
     grad_fn = lambda mb, w: sketch.sketch_value_and_grad(mb_loss, has_aux=True)(
         params, projections, mb, w)
     probes = _constrain(sketch.zero_probes(params, projections), sh and sh.accum)
@@ -470,7 +469,7 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
 
   def step(params, train, opt_state, batch, telemetry):
     mb_sharding = _mb_sharding(sh, batch, sc.micro_batches)
-    share = _mb_share(sc, batch, mb_sharding)
+    share = _mb_share(sc, batch, sh)
     grad_fn = lambda mb, w: jax.value_and_grad(
         lambda t: loss(variables(params, t), mb, w, share), has_aux=True)(train)
     zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.promote_types(jnp.float32, x.dtype)),
