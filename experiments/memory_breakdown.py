@@ -142,7 +142,7 @@ def measure(fn, args, mesh=None) -> dict:
 def step_memory(cfg, model, method: str, seq, rows: int) -> dict:
   """The trainer's step: ``rows`` sequences in ``cfg.optim.micro_batches`` micro-batches."""
   layout = parallel.Layout(parallel.make_mesh(1, 1, jax.devices()[:1]),
-                           config_lib.parse_axis_rules(cfg.mesh.rules))
+                           parallel.parse_axis_rules(cfg.mesh.rules))
   make = memory_plan.logra_entry if method == 'logra' else memory_plan.dense_entry
   e = make(cfg, model, layout, seq, micro_batches=cfg.optim.micro_batches, rows=rows)
   out = measure(e.fn, e.args, layout.mesh)

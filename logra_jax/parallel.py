@@ -169,8 +169,22 @@ def init_params(config, rng, shardings):
   return jax.jit(init, out_shardings=shardings)(rng)
 
 
+def parse_axis_rules(text: str):
+  """'embed=fsdp,vocab=' -> (('embed', 'fsdp'), ('vocab', None)): logical -> mesh axis."""
+  rules = []
+  for item in filter(None, (s.strip() for s in text.split(','))):
+    logical, eq, mesh_axis = (p.strip() for p in item.partition('='))
+    if not eq or not logical:
+      raise ValueError(f"config key mesh.rules: expected 'logical=mesh_axis', got {item!r}")
+    mesh_axis = None if mesh_axis in ('', 'none', 'None') else mesh_axis
+    if mesh_axis is not None and mesh_axis not in AXES:
+      raise ValueError(f'config key mesh.rules: {item!r} names mesh axis {mesh_axis!r}; '
+                       f'the mesh axes are {AXES}')
+    rules.append((logical, mesh_axis))
+  return tuple(rules)
+
+
 def layout_from_config(mesh_cfg, devices=None) -> Layout:
-  from logra_jax.train.config import parse_axis_rules  # pylint: disable=g-import-not-at-top
   return Layout(make_mesh(mesh_cfg.data, mesh_cfg.fsdp, devices),
                 parse_axis_rules(mesh_cfg.rules))
 

@@ -25,7 +25,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from logra_jax import parallel
-from logra_jax.train.config import default_config, from_config_dict, parse_axis_rules
+from logra_jax.parallel import parse_axis_rules
+from logra_jax.train.config import default_config, from_config_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RTOL, ATOL = 1e-4, 1e-6

@@ -18,7 +18,8 @@ from logra_jax.models import hf_io
 from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer
 from logra_jax.train import methods, optimizers, steps
-from logra_jax.train.config import TrainConfig, from_config_dict, parse_axis_rules
+from logra_jax.parallel import parse_axis_rules
+from logra_jax.train.config import TrainConfig, from_config_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30

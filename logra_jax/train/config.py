@@ -13,6 +13,8 @@ from typing import Any
 
 from ml_collections import config_dict
 
+from logra_jax.parallel import parse_axis_rules
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
@@ -51,6 +53,7 @@ class RolloutSection:
   # engine='http' (docs/bridge.md): existing servers, or N JAX-engine servers launched here
   urls: str = ''            # comma-separated base URLs (token: $LOGRA_BRIDGE_TOKEN)
   launch: int = 0           # local JAX-engine servers the trainer starts and stops
+  launch_platform: str = ''  # JAX_PLATFORMS of launched servers ('': the trainer's own)
   full_sync_every: int = 0  # a full-weight anchor every K steps (0: only when needed)
   u_dtype: str = 'fp32'     # low-rank U on the wire: fp32 | bf16 | fp8-e4m3 | int4
   # 0: on-policy. s > 0: step t+s's rollouts are generated during step t's update, by the
@@ -130,6 +133,8 @@ class WarmStartSection:
   steps: int = 0            # supervised steps on the task before RL (0: none)
   learning_rate: float = 3e-3
   batch_size: int = 64
+  cache_dir: str = ''       # keep warm-started policies here, keyed by what makes them
+  #   (docs/warm_start_cache.md; '': no cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,9 +262,6 @@ def _check_dense_param_dtype(cfg: TrainConfig):
         "model.dtype='bfloat16' keeps bf16 compute). Only LoGRA rounds bf16 stochastically.")
 
 
-MESH_AXES = ('data', 'fsdp')
-
-
 def _check_mesh(m: MeshSection):
   """Mesh sizes and rules, checked without touching devices (the count is checked at build)."""
   for key, value in (('mesh.data', m.data), ('mesh.fsdp', m.fsdp)):
@@ -269,21 +271,6 @@ def _check_mesh(m: MeshSection):
   if m.data == -1 and m.fsdp == -1:
     raise ValueError('config keys mesh.data and mesh.fsdp cannot both be -1')
   parse_axis_rules(m.rules)
-
-
-def parse_axis_rules(text: str):
-  """'embed=fsdp,vocab=' -> (('embed', 'fsdp'), ('vocab', None)): logical -> mesh axis."""
-  rules = []
-  for item in filter(None, (s.strip() for s in text.split(','))):
-    logical, eq, mesh_axis = (p.strip() for p in item.partition('='))
-    if not eq or not logical:
-      raise ValueError(f"config key mesh.rules: expected 'logical=mesh_axis', got {item!r}")
-    mesh_axis = None if mesh_axis in ('', 'none', 'None') else mesh_axis
-    if mesh_axis is not None and mesh_axis not in MESH_AXES:
-      raise ValueError(f'config key mesh.rules: {item!r} names mesh axis {mesh_axis!r}; '
-                       f'the mesh axes are {MESH_AXES}')
-    rules.append((logical, mesh_axis))
-  return tuple(rules)
 
 
 def default_config() -> config_dict.ConfigDict:
