@@ -149,10 +149,21 @@ class Layout:
         lambda kp, x: self.named(leaf_logical(kp, x, ref_logical), x.shape), abstract_state)
 
   def batch_for(self, tree):
-    """Data-parallel shardings of a batch: the leading axis over every device if it divides."""
+    """Data-parallel shardings of a batch: each leaf's leading axis over every device.
+
+    Raises:
+      ValueError: a leaf has no leading axis or one that does not divide over the devices
+        (replicating it instead would have every device compute the whole batch).
+    """
     n = self.mesh.size
-    return jax.tree.map(lambda x: self.batch if x.ndim and x.shape[0] % n == 0
-                        else self.replicated, tree)
+    bad = {jax.tree_util.keystr(kp): tuple(x.shape)
+           for kp, x in jax.tree_util.tree_leaves_with_path(tree)
+           if not x.ndim or x.shape[0] % n}
+    if bad:
+      raise ValueError(f'a batch whose leading dimension does not divide over the {n} devices '
+                       f'of the mesh (every device would compute the whole batch): shapes '
+                       f'{bad}; make each leading dimension a multiple of {n}')
+    return jax.tree.map(lambda _: self.batch, tree)
 
 
 def param_shardings(layout: Layout, config):
