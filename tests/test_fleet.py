@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from logra_jax.train import loop, tasks
+from logra_jax.train import fleet, loop, tasks
 from logra_jax.train.rollout import JaxGenerator, Rollouts
 from trainer_runs import (assert_same_run, format_reward, make_config,  # noqa: F401
                           read_metrics, run_and_resume, train, xla_cache)
@@ -156,3 +156,53 @@ def test_stale_runs_embedded_and_on_the_fleet(tmp_path):
 def test_max_staleness_is_validated():
   with pytest.raises(ValueError, match=r'rollout\.max_staleness must be >= 0'):
     make_config(rollout__max_staleness=-1)
+
+
+class _FakeServer:
+  """A `subprocess.Popen` stand-in: records the environment a server would start with and
+  writes its port file at once."""
+  envs = []
+
+  def __init__(self, args, stdout=None, stderr=None, env=None):
+    del stdout, stderr
+    _FakeServer.envs.append(env)
+    port_file = next(a for a in args if a.startswith('--port_file=')).partition('=')[2]
+    with open(port_file, 'w') as f:
+      f.write('http://127.0.0.1:1')
+
+  def poll(self):
+    return None
+
+
+@pytest.mark.parametrize('trainer_platforms, launch_platform, expected', [
+    ('cuda', '', 'cuda'),   # the trainer's JAX_PLATFORMS
+    (None, '', None),       # unset: the trainer's backend (jax.default_backend())
+    ('cuda', 'cpu', 'cpu'),  # rollout.launch_platform says otherwise
+])
+def test_launched_servers_get_the_trainers_platform(tmp_path, monkeypatch, trainer_platforms,
+                                                    launch_platform, expected):
+  """Never JAX_PLATFORMS=cpu unless asked: on a GPU host the servers generate on the GPU."""
+  if trainer_platforms is None:
+    monkeypatch.delenv('JAX_PLATFORMS', raising=False)
+  else:
+    monkeypatch.setenv('JAX_PLATFORMS', trainer_platforms)
+  monkeypatch.setattr(fleet.subprocess, 'Popen', _FakeServer)
+  monkeypatch.setattr(fleet.ServerClient, 'wait_healthy', lambda self, *a, **k: None)
+  _FakeServer.envs = []
+  urls, _ = fleet.launch_servers('model', 2, 'token', str(tmp_path), platform=launch_platform)
+  assert urls == ['http://127.0.0.1:1'] * 2
+  want = expected or jax.default_backend()
+  assert [e['JAX_PLATFORMS'] for e in _FakeServer.envs] == [want, want]
+
+
+def test_fleet_generator_passes_rollout_launch_platform(tmp_path, monkeypatch):
+  class Launched(Exception):
+    pass
+
+  def launch(*args):
+    raise Launched(args[-1])
+  monkeypatch.setattr(fleet.hf_io, 'save_hf_checkpoint', lambda directory, *a: directory)
+  monkeypatch.setattr(fleet, 'launch_servers', launch)
+  cfg = make_config(rollout__engine='http', rollout__launch=1, rollout__launch_platform='tpu')
+  with pytest.raises(Launched, match='^tpu$'):
+    fleet.FleetGenerator(cfg, str(tmp_path), None, {}, 0)

@@ -61,6 +61,7 @@ def make_config(**overrides) -> config_lib.TrainConfig:
   c.data.eval_size = 8
   c.eval.k = 2
   c.reward.verifier = FORMAT_REWARD
+  c.rollout.launch_platform = 'cpu'  # launched servers (rollout.launch) on the CPU
   c.rl.entropy_coef = 0.0
   c.optim.kl_sequences = 4
   # A budget this small keeps α = sqrt(δ/q) below α_max = 1 (q ~ 2e-2 here), so the KL

@@ -15,16 +15,28 @@ import sys
 import tempfile
 import time
 
+import jax
+
 from logra_jax.bridge import sync
 from logra_jax.bridge.client import Fleet, ServerClient
 from logra_jax.models import hf_io
 from logra_jax.train.config import TrainConfig
 
 
-def launch_servers(model_dir: str, n: int, token: str, log_dir: str, pad_id: int = 0):
-  """Starts ``n`` JAX-engine servers on free 127.0.0.1 ports; returns (urls, processes)."""
+def server_platform(launch_platform: str = '') -> str:
+  """JAX_PLATFORMS for launched servers: ``launch_platform`` (config key
+  rollout.launch_platform) or else the trainer's own (its JAX_PLATFORMS, or its backend)."""
+  return launch_platform or os.environ.get('JAX_PLATFORMS') or jax.default_backend()
+
+
+def launch_servers(model_dir: str, n: int, token: str, log_dir: str, pad_id: int = 0,
+                   platform: str = ''):
+  """Starts ``n`` JAX-engine servers on free 127.0.0.1 ports; returns (urls, processes).
+
+  They run on ``platform`` (JAX_PLATFORMS; '': the trainer's own, `server_platform`).
+  """
   procs, files = [], []
-  env = dict(os.environ, LOGRA_BRIDGE_TOKEN=token, JAX_PLATFORMS='cpu',
+  env = dict(os.environ, LOGRA_BRIDGE_TOKEN=token, JAX_PLATFORMS=server_platform(platform),
              XLA_FLAGS='')  # one device each, whatever the trainer simulates
   for i in range(n):
     port_file = os.path.join(log_dir, f'server{i}.url')
@@ -73,7 +85,8 @@ class FleetGenerator:
       os.makedirs(fleet_dir, exist_ok=True)
       model_dir = hf_io.save_hf_checkpoint(tempfile.mkdtemp(dir=fleet_dir, prefix='model-'),
                                            params, model_config)
-      urls, self._procs = launch_servers(model_dir, r.launch, token, fleet_dir, pad_id)
+      urls, self._procs = launch_servers(model_dir, r.launch, token, fleet_dir, pad_id,
+                                         r.launch_platform)
     self.fleet = Fleet(urls, token)
     self.mirror = sync.Mirror(params, model_config)
     self._full_sync(params, version)
