@@ -97,8 +97,11 @@ class Trainer:
     self.started = time.perf_counter()  # the summary's wall time: construction to the end
     self.cfg, self.workdir, self.log = cfg, workdir, log
     self.layout = layout or parallel.layout_from_config(cfg.mesh)
-    self.task = tasks.build_task(cfg)
-    self.model, self.model_config, params = tasks.build_model(cfg, self.task, self.layout)
+    checkpoint = tasks.load_checkpoint(cfg)  # model.path's host copy (None: a preset)
+    self.task = tasks.build_task(cfg, checkpoint=checkpoint)
+    self.model, self.model_config, params = tasks.build_model(cfg, self.task, self.layout,
+                                                              checkpoint)
+    del checkpoint  # the params are on the devices now
     self.method = get_method(cfg, self.model, self.layout)
     self.estimator = get_advantage_fn(cfg.rl.advantage, **(
         {'ema': cfg.rl.baseline_ema} if cfg.rl.advantage == 'running_baseline' else {}))

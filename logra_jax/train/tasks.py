@@ -128,14 +128,21 @@ def _tokenize(records, tokenizer, cfg: TrainConfig):
           for r in records]
 
 
-def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=()) -> Task:
-  """Records (tokenised once), the seeded grain iterator and the held-out split."""
+def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=(), checkpoint=None) -> Task:
+  """Records (tokenised once), the seeded grain iterator and the held-out split.
+
+  The tokenizer and stop ids of a model.path come from ``checkpoint`` (`load_checkpoint`'s);
+  without it the checkpoint is loaded here and dropped on return.
+  """
   _check_data_files(cfg)
+  wanted = tokenizer is None or not (stop_ids or isinstance(tokenizer, data.CharTokenizer))
+  if checkpoint is None and wanted:
+    checkpoint = load_checkpoint(cfg)  # None without model.path
   if tokenizer is None:
     if cfg.data.source != 'tiny' and not cfg.model.path:
       raise ValueError('config key model.path must name a model (its tokenizer) for '
                        f'data.source={cfg.data.source!r}')
-    tokenizer = data.CharTokenizer() if not cfg.model.path else _load(cfg).tokenizer
+    tokenizer = data.CharTokenizer() if not cfg.model.path else checkpoint.tokenizer
     if tokenizer is None:
       raise ValueError(f'config key model.path={cfg.model.path!r} has no tokenizer files '
                        '(tokenizer.json / tokenizer_config.json): copy them from the release')
@@ -144,54 +151,51 @@ def build_task(cfg: TrainConfig, tokenizer=None, stop_ids=()) -> Task:
   it = iter(data.prompt_dataset(train, cfg.data.prompts_per_step, seed=cfg.seed))
   is_char = isinstance(tokenizer, data.CharTokenizer)
   pad = tokenizer.pad_id if is_char else (tokenizer.pad_token_id or 0)
-  stop_set = tuple(stop_ids) or _stop_ids(cfg, tokenizer)
+  stop_set = tuple(stop_ids) or _stop_ids(tokenizer, checkpoint)
   longest = max(len(r['prompt_ids']) for r in train + held)
   return Task(tokenizer, train, held, _JsonState(it), pad, stop_set, bucket_size(longest, 8))
 
 
-def _stop_ids(cfg: TrainConfig, tokenizer) -> tuple:
+def _stop_ids(tokenizer, checkpoint) -> tuple:
   """The model's full stop set: the tokenizer's EOS, the EOS ids of the checkpoint at
   model.path (config.json / generation_config.json / GGUF) and the chat template's
   end-of-turn token (e.g. `<|im_end|>` where eos is `<|endoftext|>`)."""
   if isinstance(tokenizer, data.CharTokenizer):
     return (tokenizer.eos_id,)
-  model_eos = _load(cfg).config.eos_token_ids if cfg.model.path else ()
+  model_eos = checkpoint.config.eos_token_ids if checkpoint is not None else ()
   return stops.stop_token_ids(tokenizer, model_eos)
 
 
-_LOADED = {}
-
-
-def _load(cfg: TrainConfig):
-  """The checkpoint at model.path as host numpy, loaded once until `build_model` takes it."""
+def load_checkpoint(cfg: TrainConfig):
+  """The checkpoint at model.path as host numpy in model.param_dtype (a `models.Model`), or
+  None without a model.path. Pass it to `build_task` and `build_model`, then drop it: the
+  host copy is 0.5 GiB for SmolLM2 in fp32, 6 GiB for a 1.5B model."""
   from logra_jax.models import load  # pylint: disable=g-import-not-at-top
-  path, dtype = cfg.model.path, cfg.model.param_dtype
-  if (path, dtype) not in _LOADED:
-    if not os.path.exists(path):
-      raise FileNotFoundError(
-          f'config key model.path={path!r} does not exist on this machine: point it at an HF '
-          'checkpoint directory (config.json + safetensors + tokenizer) or a .gguf file, '
-          'e.g. --config.model.path=/path/to/Qwen2.5-Math-7B')
-    # numpy in model.param_dtype: placed shard by shard (build_model)
-    _LOADED[path, dtype] = load(path, dtype=dtype, on_host=True)
-  return _LOADED[path, dtype]
+  path = cfg.model.path
+  if not path:
+    return None
+  if not os.path.exists(path):
+    raise FileNotFoundError(
+        f'config key model.path={path!r} does not exist on this machine: point it at an HF '
+        'checkpoint directory (config.json + safetensors + tokenizer) or a .gguf file, '
+        'e.g. --config.model.path=/path/to/Qwen2.5-Math-7B')
+  return load(path, dtype=cfg.model.param_dtype, on_host=True)
 
 
-def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None):
+def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None,
+                checkpoint=None):
   """(Transformer, ModelConfig, params): a checkpoint at model.path or a fresh preset.
 
-  The params are created (or loaded from host numpy) straight into their shardings on
-  ``layout`` (default: the mesh of ``cfg.mesh``).
+  The params are created (or placed from the host numpy of ``checkpoint``, `load_checkpoint`'s;
+  loaded here when None) straight into their shardings on ``layout`` (default: the mesh of
+  ``cfg.mesh``).
   """
   m = cfg.model
   layout = layout or parallel.layout_from_config(cfg.mesh)
   memory = dict(remat_policy=m.remat_policy, attention=m.attention,
                 attention_block=m.attention_block, vocab_chunk=m.vocab_chunk)
   if m.path:
-    loaded = _load(cfg)
-    # The host copy goes once its params are on the devices (0.5 GiB for SmolLM2 in fp32,
-    # 6 GiB for a 1.5B model): a second build_model loads the checkpoint again.
-    del _LOADED[m.path, m.param_dtype]
+    loaded = checkpoint if checkpoint is not None else load_checkpoint(cfg)
     mc = loaded.config.replace(dtype=m.dtype, param_dtype=m.param_dtype, **memory)
     params = parallel.put(loaded.params, parallel.param_shardings(layout, mc))
   else:
