@@ -4,8 +4,8 @@
       --workdir=runs/ablate_kl_budget
 
 `get_config(arg)` is the base run every arm starts from; `ablation(arg)` the arms, each a set
-of optim.* overrides of the base (optim.kl_control, optim.kl_budget_init / _final / _steps,
-optim.alpha_max: 1 makes the budget a ceiling, > 1 a target that also enlarges small steps).
+of optim.* overrides of the base (optim.logra.kl_control, optim.logra.kl_budget_init / _final / _steps,
+optim.logra.alpha_max: 1 makes the budget a ceiling, > 1 a target that also enlarges small steps).
 
 Full (no arg; GPUs and weights): the paper's KL ablation on Qwen2.5-Math-1.5B with the SGD
 sketch, 800 steps: no control, fixed 1.5e-3, fixed 1.5e-4, annealed 2e-4 -> 2e-5 (alpha_max 3,
@@ -41,26 +41,26 @@ def get_config(arg=None):
   if arg:
     raise ValueError(f"configs/ablate_kl_budget.py: unknown variant {arg!r} (use ':tiny' or none)")
   cfg = _sibling('qwen2_5_math_1_5b').get_config()
-  cfg.optim.sketch_optimizer = 'sgd'  # the paper's KL ablation used the SGD sketch
+  cfg.optim.logra.sketch_optimizer = 'sgd'  # the paper's KL ablation used the SGD sketch
   cfg.total_steps = 800
   cfg.checkpoint_every = 100
   return cfg
 
 
 def _fixed(budget, alpha_max):
-  return {'optim.kl_control': True, 'optim.kl_budget_init': budget,
-          'optim.kl_budget_final': budget, 'optim.alpha_max': alpha_max}
+  return {'optim.logra.kl_control': True, 'optim.logra.kl_budget_init': budget,
+          'optim.logra.kl_budget_final': budget, 'optim.logra.alpha_max': alpha_max}
 
 
 def _annealed(init, final, steps, alpha_max):
-  return {'optim.kl_control': True, 'optim.kl_budget_init': init,
-          'optim.kl_budget_final': final, 'optim.kl_budget_steps': steps,
-          'optim.alpha_max': alpha_max}
+  return {'optim.logra.kl_control': True, 'optim.logra.kl_budget_init': init,
+          'optim.logra.kl_budget_final': final, 'optim.logra.kl_budget_steps': steps,
+          'optim.logra.alpha_max': alpha_max}
 
 
 def ablation(arg=None):
   """arms: (name, overrides); target_vs_ceiling: the two arms of that comparison."""
-  off = {'optim.kl_control': False}
+  off = {'optim.logra.kl_control': False}
   if arg == 'tiny':
     steps = get_config('tiny').total_steps
     return dict(arms=(('no_control', off), ('fixed_large', _fixed(1.0, 3.0)),

@@ -6,7 +6,7 @@
       --config.data.eval_path=...
 
 `get_config(arg)` is the base run every arm starts from; `ablation(arg)` the arms. Each arm is
-the base with optim.rank, optim.projection and optim.refresh set (docs/ablations.md).
+the base with optim.logra.rank, optim.logra.projection and optim.logra.refresh set (docs/ablations.md).
 
 Full (no arg; GPUs and weights, as configs/qwen2_5_math_1_5b.py): the paper's 1.5B recipe
 (RowAdam, annealed predicted-KL budget), ranks 4/16/64/256 x {fixed Rademacher, refreshed
@@ -24,7 +24,7 @@ Rademacher, 0.17 -> 0.87 orthogonal at R = 4 -> 128); pass@1 after so few steps 
 import importlib.util
 import os
 
-VARIANTS = (  # (name, optim.projection, optim.refresh)
+VARIANTS = (  # (name, optim.logra.projection, optim.logra.refresh)
     ('fixed_rademacher', 'rademacher', False),
     ('refreshed_rademacher', 'rademacher', True),
     ('refreshed_gaussian', 'gaussian', True),

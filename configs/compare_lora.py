@@ -72,8 +72,9 @@ def ablation(arg=None) -> dict:
   # fp32 trainable weights for the dense arms (config.py refuses bf16 AdamW / LoRA updates)
   dense = {} if arg == 'tiny' else {'optim.lr_schedule': 'cosine', 'optim.warmup_steps': 9,
                                     'model.param_dtype': 'float32'}
-  lora = {'optim.name': 'lora', 'optim.lora_rank': rank, 'optim.lora_alpha': 2.0 * rank,
-          'optim.adam_learning_rate': 5e-4 if arg == 'tiny' else 1e-5, **dense}
-  return {'arms': {'logra': {'optim.rank': rank}, 'lora': lora,
-                   'adam': {'optim.name': 'adam', **dense}},
+  lora = {'optim.name': 'lora', 'optim.lora.rank': rank, 'optim.lora.alpha': 2.0 * rank,
+          'optim.lora.learning_rate': 5e-4 if arg == 'tiny' else 1e-5, **dense}
+  adam = {'optim.name': 'adam', 'optim.adam.learning_rate': 2e-4 if arg == 'tiny' else 1e-6,
+          **dense}  # tiny.py's and the 1.5B recipe's dense-AdamW learning rates
+  return {'arms': {'logra': {'optim.logra.rank': rank}, 'lora': lora, 'adam': adam},
           'timing_steps': 7 if arg == 'tiny' else 5}

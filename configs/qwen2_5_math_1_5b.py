@@ -37,7 +37,7 @@ Should reach (docs/method.md §6, Table 1, mean of 3 seeds): peak MATH-500 Pass@
 9.18 / 9.19); 55.44 updates per hour. The KL-budget ablation measured Pass@1 at steps 700-800
 (annealed budget, SGD sketch: 71.47%): extend with --config.total_steps=800.
 """
-from logra_jax.train.config import default_config
+from logra_jax.train.config import default_config, switch_method
 
 QWEN_MATH_SYSTEM_PROMPT = ('Please reason step by step, and put your final answer within '
                            '\\boxed{}.')
@@ -82,37 +82,37 @@ def paper_math_config(preset: str, micro_batches: int, arg=None):
   cfg.rl.aggregation = 'token'
   cfg.optim.name = 'logra'
   cfg.optim.micro_batches = micro_batches
-  cfg.optim.sketch_optimizer = 'row_adam'
-  cfg.optim.rank = 256
-  cfg.optim.projection = 'rademacher'
-  cfg.optim.refresh = True
-  cfg.optim.b2 = 0.95
-  cfg.optim.eps = 1e-8
-  cfg.optim.learning_rate = 1.0  # the step is update_ratio-relative, then scaled by alpha
+  cfg.optim.logra.sketch_optimizer = 'row_adam'
+  cfg.optim.logra.rank = 256
+  cfg.optim.logra.projection = 'rademacher'
+  cfg.optim.logra.refresh = True
+  cfg.optim.logra.b2 = 0.95
+  cfg.optim.logra.eps = 1e-8
+  cfg.optim.logra.learning_rate = 1.0  # the step is update_ratio-relative, then scaled by alpha
   cfg.optim.lr_schedule = 'constant'
-  cfg.optim.update_ratio = 6e-5
-  cfg.optim.kl_control = True
-  cfg.optim.kl_probe = 'jvp'
-  cfg.optim.kl_budget_init = 2e-4
-  cfg.optim.kl_budget_final = 2e-5
-  cfg.optim.kl_budget_steps = 300
-  cfg.optim.alpha_max = 3.0
+  cfg.optim.logra.update_ratio = 6e-5
+  cfg.optim.logra.kl_control = True
+  cfg.optim.logra.kl_probe = 'jvp'
+  cfg.optim.logra.kl_budget_init = 2e-4
+  cfg.optim.logra.kl_budget_final = 2e-5
+  cfg.optim.logra.kl_budget_steps = 300
+  cfg.optim.logra.alpha_max = 3.0
   cfg.optim.kl_sequences = 8
-  cfg.optim.mismatch_ema = 0.3
+  cfg.optim.logra.mismatch_ema = 0.3
   cfg.eval.k = 4
   cfg.eval.temperature = 1.0
   cfg.total_steps = 300
   cfg.eval_every = 20
   cfg.checkpoint_every = 20
-  cfg.optim.adam_learning_rate = 1e-6  # the dense baseline's AdamW (docs/method.md §7)
   if arg == 'adam':
-    cfg.optim.name = 'adam'
+    switch_method(cfg, 'adam')
+    cfg.optim.adam.learning_rate = 1e-6  # the dense baseline's AdamW (docs/method.md §7)
     cfg.model.param_dtype = 'float32'  # fp32 master weights, bf16 compute
     cfg.optim.lr_schedule = 'cosine'
     cfg.optim.warmup_steps = 9
-    cfg.optim.b1 = 0.9
-    cfg.optim.adam_b2 = 0.95
-    cfg.optim.weight_decay = 0.0
+    cfg.optim.adam.b1 = 0.9
+    cfg.optim.adam.b2 = 0.95
+    cfg.optim.adam.weight_decay = 0.0
   elif arg:
     raise ValueError(f"unknown variant {arg!r} (use ':adam' for the dense baseline, or none)")
   return cfg

@@ -48,7 +48,7 @@ RSS from 5.8 to 3.2 GiB):
   ':smoke': 59 s end to end (2 steps of ~10-24 s, mostly compilation).
 """
 
-from logra_jax.train.config import default_config
+from logra_jax.train.config import default_config, switch_method
 
 GGUF = 'SmolLM2-135M-Instruct.Q4_1.gguf'
 SYSTEM_PROMPT = ('You are a careful calculator. Compute the result of the expression and '
@@ -92,17 +92,17 @@ def get_config(arg=None):
   cfg.rl.loss = 'reinforce_tis'
   cfg.rl.tis_cap = 2.0
   cfg.optim.name = 'logra'
-  cfg.optim.sketch_optimizer = 'row_adam'
-  cfg.optim.rank = 32
-  cfg.optim.projection = 'rademacher'
-  cfg.optim.refresh = True
-  cfg.optim.learning_rate = 1.0
-  cfg.optim.update_ratio = 1e-3
-  cfg.optim.kl_control = True
-  cfg.optim.kl_budget_init = 1e-3
-  cfg.optim.kl_budget_final = 1e-4
-  cfg.optim.kl_budget_steps = 100
-  cfg.optim.alpha_max = 3.0
+  cfg.optim.logra.sketch_optimizer = 'row_adam'
+  cfg.optim.logra.rank = 32
+  cfg.optim.logra.projection = 'rademacher'
+  cfg.optim.logra.refresh = True
+  cfg.optim.logra.learning_rate = 1.0
+  cfg.optim.logra.update_ratio = 1e-3
+  cfg.optim.logra.kl_control = True
+  cfg.optim.logra.kl_budget_init = 1e-3
+  cfg.optim.logra.kl_budget_final = 1e-4
+  cfg.optim.logra.kl_budget_steps = 100
+  cfg.optim.logra.alpha_max = 3.0
   cfg.optim.kl_sequences = 8
   # The step's activations in 8 micro-batches: on bench_vs_trl's 16 x (64 + 64) tokens the
   # LoGRA step's XLA temp is 3.63 GiB in 1, 0.96 in 4 and 0.56 in 8; the step was 1.03x
@@ -128,8 +128,8 @@ def get_config(arg=None):
   elif arg == 'adam':
     # The dense-AdamW twin. lr 1e-5 moves the policy about as far per step as LoGRA's KL
     # budget; TRL's 1e-6 (bench_vs_trl's) moved it ~200x less and learned nothing in 30 steps.
-    cfg.optim.name = 'adam'
-    cfg.optim.adam_learning_rate = 1e-5
+    switch_method(cfg, 'adam')
+    cfg.optim.adam.learning_rate = 1e-5
   elif arg == 'vllm':  # generation on one vLLM server: third_party/vllm/serve (docs/bridge.md)
     cfg.rollout.engine = 'http'
     cfg.rollout.urls = 'http://127.0.0.1:8100'

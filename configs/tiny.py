@@ -15,20 +15,20 @@ informative ones, and a KL target shrinks exactly those and inflates the rest (R
 
 Command (also `make run`):
   python experiments/train.py --config=configs/tiny.py --workdir=runs/tiny
-Dense-Adam baseline, side by side:
-  python experiments/train.py --config=configs/tiny.py --workdir=runs/tiny_adam \
-      --config.optim.name=adam
+Dense-AdamW baseline, side by side (the variant sets only AdamW's keys: optim.adam.*):
+  python experiments/train.py --config=configs/tiny.py:adam --workdir=runs/tiny_adam
 On a fleet (2 local JAX-engine servers; the same curve, the generators updated over HTTP):
   python experiments/train.py --config=configs/tiny.py:fleet --workdir=runs/tiny_fleet
 Should reach: held-out accuracy (eval_accuracy, pass@1) rising by more than 0.3 and ending
 at 0.7 or more, in under 10 minutes on a 2-core CPU (see README for the measured curves).
 """
-from logra_jax.train.config import default_config
+from logra_jax.train.config import default_config, switch_method
 
 
 def get_config(arg=None):
-  """`arg`: None (the run) or 'fleet' (the same run, generating on 2 launched JAX-engine
-  servers over HTTP: low-rank updates rebuilt from the seed, docs/bridge.md)."""
+  """`arg`: None (the run), 'fleet' (the same run, generating on 2 launched JAX-engine
+  servers over HTTP: low-rank updates rebuilt from the seed, docs/bridge.md) or 'adam' (the
+  dense-AdamW baseline: the same run with optim.adam.* in place of optim.logra.*)."""
   cfg = default_config()
   cfg.model.preset = 'tiny'
   cfg.data.source = 'tiny'
@@ -41,19 +41,19 @@ def get_config(arg=None):
   cfg.reward.workers = 0  # exact match is instant: score in-process
   cfg.rl.advantage = 'grpo'
   cfg.optim.name = 'logra'
-  cfg.optim.rank = 64              # of d_in = 128 (256 for down_proj)
-  cfg.optim.projection = 'rademacher'
-  cfg.optim.refresh = True         # a new A every step, as in the paper
-  cfg.optim.sketch_optimizer = 'row_adam'
-  cfg.optim.preserve_norm = False  # Adam-scale RowAdam steps: learning_rate is the step
-  cfg.optim.learning_rate = 4e-4   # best of 2e-4 / 4e-4 / 8e-4 (README)
-  cfg.optim.kl_control = True
-  cfg.optim.alpha_max = 1.0        # the budget is a ceiling on the predicted KL of a step
-  cfg.optim.kl_budget_init = 0.1   # per-step predicted KL over the probe tokens (a 0.45M model
-  cfg.optim.kl_budget_final = 0.1  # with 4-token answers; the paper: 2e-4 -> 2e-5 at 1.5B-27B)
-  cfg.optim.kl_budget_steps = 1500
-  cfg.optim.adam_learning_rate = 2e-4  # dense-Adam baseline (--config.optim.name=adam): best
-                                       # of 1e-4 / 2e-4 / 4e-4 (README)
+  cfg.optim.logra.rank = 64              # of d_in = 128 (256 for down_proj)
+  cfg.optim.logra.projection = 'rademacher'
+  cfg.optim.logra.refresh = True         # a new A every step, as in the paper
+  cfg.optim.logra.sketch_optimizer = 'row_adam'
+  cfg.optim.logra.preserve_norm = False  # Adam-scale RowAdam steps: learning_rate is the step
+  cfg.optim.logra.learning_rate = 4e-4   # best of 2e-4 / 4e-4 / 8e-4 (README)
+  cfg.optim.logra.kl_control = True
+  cfg.optim.logra.alpha_max = 1.0        # the budget is a ceiling on the predicted KL of a step
+  # per-step predicted KL over the probe tokens (a 0.45M model with 4-token answers; the
+  # paper: 2e-4 -> 2e-5 at 1.5B-27B)
+  cfg.optim.logra.kl_budget_init = 0.1
+  cfg.optim.logra.kl_budget_final = 0.1
+  cfg.optim.logra.kl_budget_steps = 1500
   cfg.warm_start.steps = 300       # supervised warm start: held-out pass@1 ~0.23 before RL
   cfg.warm_start.learning_rate = 1e-3
   cfg.total_steps = 1500
@@ -62,6 +62,10 @@ def get_config(arg=None):
   if arg == 'fleet':
     cfg.rollout.engine = 'http'
     cfg.rollout.launch = 2
+  elif arg == 'adam':
+    switch_method(cfg, 'adam')
+    cfg.optim.adam.learning_rate = 2e-4  # best of 1e-4 / 2e-4 / 4e-4 (README)
   elif arg:
-    raise ValueError(f"configs/tiny.py: unknown variant {arg!r} (use ':fleet' or none)")
+    raise ValueError(f"configs/tiny.py: unknown variant {arg!r} (use ':fleet', ':adam' or "
+                     "none)")
   return cfg

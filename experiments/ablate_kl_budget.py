@@ -36,7 +36,7 @@ def _mean(values):
 def summarize(name: str, overrides: dict, cfg, res: ablation_io.RunResult) -> dict:
   """One arm: its settings, final pass@1, per-step curves and their means over the RL steps."""
   rl = [r for r in res.history if r['step'] > 0]
-  o = cfg.optim
+  o = cfg.optim.logra
   budget = f'{o.kl_budget_init:g}' + (f'->{o.kl_budget_final:g}'
                                       if o.kl_budget_final != o.kl_budget_init else '')
   return dict(

@@ -3,8 +3,8 @@ r"""Rank x projection ablation (the paper's Fig. 5a/5b/5c) with the library's tr
   python experiments/ablate_rank.py --config=configs/ablate_rank.py:tiny --workdir=runs/ablate_rank
 
 Every arm (rank x {fixed Rademacher, refreshed Rademacher, refreshed Gaussian, refreshed
-orthogonal}, from the config's `ablation(arg)`) is the base config with optim.rank,
-optim.projection and optim.refresh set, trained by `loop.train` from one shared step-0 start
+orthogonal}, from the config's `ablation(arg)`) is the base config with optim.logra.rank,
+optim.logra.projection and optim.logra.refresh set, trained by `loop.train` from one shared step-0 start
 (experiments/ablation_start.py) in WORKDIR/arms/NAME; a rerun resumes finished arms.
 
 Fig. 5a: each arm's final held-out pass@1. Fig. 5b/5c: the reconstruction cosine
@@ -33,9 +33,9 @@ def arms(s: dict) -> list:
 
 def run_arm(base, arm: dict, workdir: str, start_dir: str, log) -> dict:
   """Trains one arm from the shared start; its final pass@1 and per-step summaries."""
-  res = ablation_start.run_arm(base, arm['name'], {'optim.rank': arm['rank'],
-                                                   'optim.projection': arm['projection'],
-                                                   'optim.refresh': arm['refresh']},
+  res = ablation_start.run_arm(base, arm['name'], {'optim.logra.rank': arm['rank'],
+                                                   'optim.logra.projection': arm['projection'],
+                                                   'optim.logra.refresh': arm['refresh']},
                                workdir, start_dir, log)
   rl = [r for r in res.history if r['step'] > 0]
   mean = lambda k: float(np.mean([r[k] for r in rl if r.get(k) is not None] or [np.nan]))

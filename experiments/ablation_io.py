@@ -48,10 +48,19 @@ def settings(config_flag) -> dict:
 
 
 def train_config(cfg, overrides: Optional[dict] = None) -> config_lib.TrainConfig:
-  """A validated TrainConfig from a ConfigDict with {'optim.name': 'lora', ...} applied."""
+  """A validated TrainConfig from a ConfigDict with {'optim.name': 'lora', ...} applied.
+
+  An override of ``optim.name`` to another method first resets every method section to its
+  defaults (`config.switch_method`): the arm is that method's defaults plus its own keys."""
   values = (dataclasses.asdict(cfg) if isinstance(cfg, config_lib.TrainConfig) else
             cfg.to_dict() if isinstance(cfg, config_dict.ConfigDict) else dict(cfg))
-  for key, value in (overrides or {}).items():
+  overrides = dict(overrides or {})
+  name = overrides.pop('optim.name', values['optim']['name'])
+  if name != values['optim']['name']:
+    values = config_dict.ConfigDict(values)
+    config_lib.switch_method(values, name)
+    values = values.to_dict()
+  for key, value in overrides.items():
     *parents, leaf = key.split('.')
     node = values
     for p in parents:

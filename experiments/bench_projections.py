@@ -19,7 +19,7 @@ from absl import app, flags
 from logra_jax import parallel
 from logra_jax.models import get_preset, hf_io
 from logra_jax.train import optimizers, steps
-from logra_jax.train.config import MeshSection, OptimSection
+from logra_jax.train.config import LograSection, MeshSection
 
 _PRESET = flags.DEFINE_string('preset', 'smollm2-135m', 'Model shape (a preset name).')
 _RANK = flags.DEFINE_integer('rank', 32, 'Projection rank of every sketched kernel.')
@@ -41,7 +41,7 @@ def main(argv):
   config = get_preset(_PRESET.value)
   abstract = parallel.abstract_params(config)
   names = hf_io.projection_name_fn(config)
-  o = OptimSection(rank=_RANK.value)
+  o = LograSection(rank=_RANK.value)
   replicated = parallel.layout_from_config(MeshSection()).replicated  # the trainer default
 
   def host(t):  # the old step's host work: numpy draw, then the replicated upload

@@ -14,7 +14,6 @@ gradient) and the dense gradient of all params. The LAST line is one JSON object
  "dense_grad_over_backward": ..., "median_s": {...}, "workload": {...}}.
 """
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -33,6 +32,7 @@ from flax import traverse_util  # pylint: disable=g-import-not-at-top
 from logra_jax import sketch  # pylint: disable=g-import-not-at-top
 from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
 from logra_jax.train import methods, optimizers, steps, tasks  # pylint: disable=g-import-not-at-top
+from logra_jax.train.steps import losses as step_losses  # pylint: disable=g-import-not-at-top
 
 METHODS = ('logra', 'adam', 'lora')
 
@@ -46,7 +46,7 @@ def parse_args(argv=None):
   p.add_argument('--new_tokens', type=int, default=64)
   p.add_argument('--reps', type=int, default=5, help='timed repetitions of each program')
   p.add_argument('--config', action='append', default=[],
-                 help="extra overrides 'section.key=value' (JSON values), e.g. optim.rank=16")
+                 help="extra overrides 'section.key=value' (JSON values), e.g. optim.logra.rank=16")
   return p.parse_args(argv)
 
 
@@ -121,7 +121,7 @@ def method_runners(cfg, model, params, batch, p) -> dict:
   them); LoRA's step donates only the adapters, so it shares ``params``."""
   runners = {}
   for name in METHODS:
-    mcfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, name=name))
+    mcfg = cfg if name == cfg.optim.name else config_lib.with_method(cfg, name)
     method = methods.get_method(mcfg, model)
     own = params if name == 'lora' else jax.tree.map(jnp.copy, params)
     box = {'state': method.init(own), 't': 0}
@@ -129,7 +129,7 @@ def method_runners(cfg, model, params, batch, p) -> dict:
     def run(method=method, box=box):
       box['t'] += 1
       box['state'], metrics = method.step(box['state'], batch, p, box['t'],
-                                          cfg.optim.kl_budget_init)
+                                          cfg.optim.logra.kl_budget_init)
       _block((box['state'], metrics))
     runners[name] = run
   return runners
@@ -141,8 +141,8 @@ def _is_scale(path) -> bool:
 
 def gradient_runners(cfg, model, params, batch, p) -> dict:
   """The sketch backward, a plain backward (norm scales only) and all params' gradient."""
-  loss = steps._loss_fn(model, methods.loss_config(cfg), p)  # pylint: disable=protected-access
-  a = optimizers.projections_at(cfg.optim, params, cfg.seed, 1)
+  loss = step_losses.loss_fn(model, methods.loss_config(cfg), p)
+  a = optimizers.projections_at(cfg.optim.logra, params, cfg.seed, 1)
   flat = traverse_util.flatten_dict(params)
   scales = {k: v for k, v in flat.items() if _is_scale(k)}
   rest = {k: v for k, v in flat.items() if not _is_scale(k)}
@@ -184,7 +184,7 @@ def main(argv=None):
   batch = make_batch(model, params, n, p, t, samples=args.samples)
   workload = dict(model=args.model, rows=n, prompt_len=p, new_tokens=t, reps=args.reps,
                   share_prompts=cfg.optim.share_prompts,
-                  rank=cfg.optim.rank, kl_control=cfg.optim.kl_control,
+                  rank=cfg.optim.logra.rank, kl_control=cfg.optim.logra.kl_control,
                   telemetry_every=cfg.optim.telemetry_every, dtype=cfg.model.dtype,
                   backend=jax.default_backend(), devices=jax.device_count())
   print(f'workload: {workload}', flush=True)

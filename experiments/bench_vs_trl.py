@@ -144,12 +144,12 @@ def run_trl(python, model_dir, prompts, workdir, args) -> dict:
   return json.load(open(out))
 
 
-# Our dense-AdamW baseline: TRL's optimizer and lr on all params (the LoGRA run's overrides
-# follow, so --ours applies to both).
-ADAM_FLAGS = ('optim.name=adam', 'optim.adam_learning_rate=1e-6')
+# Our dense-AdamW baseline: configs/smollm2_rg.py:adam with TRL's lr on all params (--ours
+# follows, so it applies to both runs: shared keys only, a LoGRA key is refused there).
+ADAM_VARIANT, ADAM_FLAGS = 'adam', ('optim.adam.learning_rate=1e-6',)
 
 
-def ours_flags(args, run_dir, extra=(), model_dir=None) -> list:
+def ours_flags(args, run_dir, extra=(), model_dir=None, variant='') -> list:
   """experiments/train.py on configs/smollm2_rg.py with the workload's batch (on the HF
   directory ``model_dir`` where given, else the config's GGUF); evaluation only on a few
   problems (it is not timed, but the last step always evaluates)."""
@@ -161,15 +161,17 @@ def ours_flags(args, run_dir, extra=(), model_dir=None) -> list:
     c['model.path'] = model_dir
   flags = [f'--config.{k}={v}' for k, v in c.items()]
   flags += [f'--config.{o}' for o in tuple(extra) + tuple(args.ours)]
-  return [f"--config={os.path.join(ROOT, 'configs', 'smollm2_rg.py')}",
+  config = os.path.join(ROOT, 'configs', 'smollm2_rg.py') + (f':{variant}' if variant else '')
+  return [f'--config={config}',
           f'--workdir={run_dir}'] + flags
 
 
-def run_ours(workdir, args, flags=None, name='ours', extra=(), model_dir=None) -> dict:
+def run_ours(workdir, args, flags=None, name='ours', extra=(), model_dir=None,
+             variant='') -> dict:
   """One run of ours in ``workdir/name``: per-step times from its metrics, its peak RSS."""
   run_dir = os.path.join(workdir, name)
   rss = os.path.join(workdir, f'{name}_rss.json')
-  flags = flags or ours_flags(args, run_dir, extra, model_dir)
+  flags = flags or ours_flags(args, run_dir, extra, model_dir, variant)
   shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (train.py would resume a checkpoint)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
   subprocess.run([sys.executable, '-c', _PEAK_RSS_RUN, rss,
@@ -208,7 +210,8 @@ def main(argv=None):
           'ours': summarize(run_ours(args.workdir, args, model_dir=ours_dir), args.skip_steps)}
   if args.adam:
     runs['ours, dense AdamW'] = summarize(
-        run_ours(args.workdir, args, name='ours_adam', extra=ADAM_FLAGS, model_dir=ours_dir),
+        run_ours(args.workdir, args, name='ours_adam', extra=ADAM_FLAGS, model_dir=ours_dir,
+                 variant=ADAM_VARIANT),
         args.skip_steps)
   for name, s in runs.items():
     print(f"{name:18s} step {s['step_s']:7.2f} s  generation {s['generate_s']:7.2f} s  "

@@ -64,18 +64,19 @@ def method_step(cfg, model, params, batch, prompt_len):
   telemetry = np.asarray(True)  # the steps' last argument: log the realised KL, as the trainer
   if o.name == 'logra':
     opt = optimizers.logra_optimizer(o, cfg.total_steps)
-    spec = optimizers.projection_spec(o, 1, hf_io.projection_name_fn(model.config))
+    spec = optimizers.projection_spec(o.logra, 1, hf_io.projection_name_fn(model.config))
     a = jax.eval_shape(lambda: steps.draw_projections(params, 0, 0, spec))
     state = opt.init(sketch.zero_probes(params, a))
     step = steps.make_logra_step(model, loss_cfg, opt, sc, spec)
     args = (copy(params), state, batch, np.uint32(cfg.seed),
-            np.uint32(optimizers.projection_step(o, 1)), np.float32(o.kl_budget_init),
+            np.uint32(optimizers.projection_step(o.logra, 1)),
+            np.float32(o.logra.kl_budget_init),
             jax.random.key(0), telemetry)
     return step, args, lambda x, out: (out[0], out[1]) + x[2:]
   opt = optimizers.adam_optimizer(o, cfg.total_steps)
   if o.name == 'lora':
-    train = lora.init(params, o.lora_rank, jax.random.key(cfg.seed + 1))
-    step = steps.make_dense_step(model, loss_cfg, opt, sc, lora_scale=o.lora_alpha / o.lora_rank)
+    train = lora.init(params, o.lora.rank, jax.random.key(cfg.seed + 1))
+    step = steps.make_dense_step(model, loss_cfg, opt, sc, lora_scale=o.lora.alpha / o.lora.rank)
     args = (params, train, opt.init(train), batch, telemetry)
   else:
     step = steps.make_dense_step(model, loss_cfg, opt, sc)
@@ -137,7 +138,7 @@ COLUMNS = ('method', 'rank', 'arg MiB', 'temp MiB', 'out MiB', 'peak MiB', 'step
 
 def _row(name, cfg, r):
   mib = lambda k: r['memory'][k] / 2**20
-  return {'method': name, 'rank': {'logra': cfg.optim.rank, 'lora': cfg.optim.lora_rank}.get(
+  return {'method': name, 'rank': {'logra': cfg.optim.logra.rank, 'lora': cfg.optim.lora.rank}.get(
       name, 'full'), 'arg MiB': mib('argument_size_in_bytes'),
       'temp MiB': mib('temp_size_in_bytes'), 'out MiB': mib('output_size_in_bytes'),
       'peak MiB': mib('peak_bytes'), 'step ms': 1e3 * r['step_time_s'],

@@ -35,7 +35,8 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from experiments.bench_step import _override  # pylint: disable=g-import-not-at-top
 from logra_jax import sketch  # pylint: disable=g-import-not-at-top
 from logra_jax.analysis import probe_size  # pylint: disable=g-import-not-at-top
-from logra_jax.train import completion, loop, steps  # pylint: disable=g-import-not-at-top
+from logra_jax.train import completion, loop  # pylint: disable=g-import-not-at-top
+from logra_jax.train.steps import kl_probe  # pylint: disable=g-import-not-at-top
 from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
 
 
@@ -59,8 +60,8 @@ def make_config(args) -> config_lib.TrainConfig:
   for text in args.config:
     _override(cfg, text)
   cfg = config_lib.from_config_dict(cfg)
-  if cfg.optim.name != 'logra' or not cfg.optim.kl_control or cfg.model.vocab_chunk:
-    raise ValueError('kl_probe_size.py needs optim.name=logra, optim.kl_control=True and '
+  if cfg.optim.name != 'logra' or not cfg.optim.logra.kl_control or cfg.model.vocab_chunk:
+    raise ValueError('kl_probe_size.py needs optim.name=logra, optim.logra.kl_control=True and '
                      'model.vocab_chunk=0 (it takes per-position terms of full logits)')
   return cfg
 
@@ -93,7 +94,7 @@ def collect(cfg, n_batches: int, workdir: str, log=print):
       del old
       batches.append(dict(var=np.asarray(var), kl=np.asarray(kl),
                           mask=np.asarray(batch['target_mask']), alpha=metrics['alpha'],
-                          budget=metrics['kl_budget'], alpha_max=cfg.optim.alpha_max))
+                          budget=metrics['kl_budget'], alpha_max=cfg.optim.logra.alpha_max))
       logged.append(metrics)
       log(f'step {trainer.step}: alpha {metrics["alpha"]:.4g} predicted_kl '
           f'{metrics["predicted_kl"]:.4g} realised (all rows) '
@@ -110,7 +111,7 @@ def trainer_probe(cfg, batches, logged) -> dict:
   n, t = cfg.optim.kl_sequences, cfg.rollout.temperature
   errs, gaps = [], []
   for x, m in zip(batches, logged):
-    rows = np.asarray(steps.kl_rows(len(x['mask']), n))
+    rows = np.asarray(kl_probe.kl_rows(len(x['mask']), n))
     sub = probe_size.subset_mask(x['mask'], rows, 1.0, None)
     pred = probe_size.predicted(x['var'], sub, t)
     errs.append(probe_size.alpha_error(x, pred))

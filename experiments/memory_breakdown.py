@@ -78,8 +78,8 @@ def make_config(args, method: str) -> config_lib.TrainConfig:
   from configs import smollm2_rg, tiny  # pylint: disable=g-import-not-at-top
   cfg = (smollm2_rg if args.model == 'smollm2' else tiny).get_config(
       'adam' if method == 'dense' and args.model == 'smollm2' else None)
-  if method == 'dense':
-    cfg.optim.name = 'adam'
+  if method == 'dense' and cfg.optim.name != 'adam':
+    config_lib.switch_method(cfg, 'adam')
   cfg.warm_start.steps = 0
   cfg.data.prompts_per_step, cfg.data.samples_per_prompt = args.prompts, args.samples
   cfg.rollout.max_new_tokens = args.new_tokens

@@ -1,7 +1,11 @@
 """RL post-training with LoGRA (or the dense-Adam / LoRA baselines) from an ml_collections config.
 
-  python experiments/train.py --config=configs/tiny.py --workdir=runs/tiny \
-      [--config.optim.name=adam] [--config.optim.rank=32 ...] [--config.mesh.fsdp=4 ...]
+  python experiments/train.py --config=configs/tiny.py[:adam] --workdir=runs/tiny \
+      [--config.optim.logra.rank=32 ...] [--config.mesh.fsdp=4 ...]
+
+Method keys live in optim.logra.* / optim.adam.* / optim.lora.*; a key of a method other than
+optim.name is refused at load, and a flag naming a pre-split key (--config.optim.rank) is
+refused with its new name.
 
 Rerunning with the same workdir resumes from its latest checkpoint. Writes
 WORKDIR/run_info.json first (devices, processes, mesh, JAX version, the whole config). The
@@ -15,6 +19,7 @@ Multi-host: start the same command on every host with --coordinator_address=HOST
 import dataclasses
 import json
 import os
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -72,4 +77,6 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  from logra_jax.train.config import check_override_flags  # pylint: disable=g-import-not-at-top
+  check_override_flags(sys.argv)
   app.run(main)

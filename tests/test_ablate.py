@@ -98,7 +98,7 @@ def test_kl_budget_ablation(shared):
   # ... and the realised KL is the budget: per step realised/predicted was 0.89-1.36 at this
   # alpha (~0.3; the O(alpha³) term, largest on the first step), so the 8-step mean is
   # within 25% of the budget.
-  budget = dict(s['arms'])[s['small']]['optim.kl_budget_init']
+  budget = dict(s['arms'])[s['small']]['optim.logra.kl_budget_init']
   assert abs(small['realized_kl_mean'] / budget - 1) < 0.25, (small['realized_kl_mean'], budget)
   # Target vs ceiling: the target also enlarges steps predicted below the budget (alpha > 1),
   # the ceiling never does.

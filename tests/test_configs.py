@@ -84,8 +84,8 @@ def test_smollm2_config():
   assert (cfg.data.source, cfg.data.name) == ('reasoning_gym', 'basic_arithmetic')
   assert cfg.data.chat_template and '<answer>' in cfg.data.system_prompt
   assert cfg.reward.verifier == 'reasoning_gym' and cfg.optim.name == 'logra'
-  assert 16 <= cfg.optim.rank <= 32 and cfg.optim.sketch_optimizer == 'row_adam'
-  assert cfg.optim.kl_control
+  assert 16 <= cfg.optim.logra.rank <= 32 and cfg.optim.logra.sketch_optimizer == 'row_adam'
+  assert cfg.optim.logra.kl_control
   # The README's learning curve: greedy pass@1 on 128 held-out problems every 10 steps.
   assert cfg.data.eval_size >= 128 and cfg.eval.temperature == 0 and cfg.eval_every == 10
 
@@ -108,8 +108,9 @@ def test_paper_configs_match_the_notes(name):
   2e-4 -> 2e-5, alpha_max 3, TIS cap 2, running-baseline REINFORCE (EMA 0.1) with one
   response per prompt, 128 prompts per step, temperature 1, reward 1 / -0.01, bf16."""
   cfg = _config(name)
-  o = cfg.optim
-  assert (o.name, o.rank, o.projection, o.refresh) == ('logra', 256, 'rademacher', True)
+  o = cfg.optim.logra
+  assert cfg.optim.name == 'logra'
+  assert (o.rank, o.projection, o.refresh) == (256, 'rademacher', True)
   assert (o.kl_control, o.kl_budget_init, o.kl_budget_final, o.alpha_max) == (
       True, 2e-4, 2e-5, 3.0)
   assert o.update_ratio == 6e-5 and o.learning_rate == 1.0 and o.mismatch_ema == 0.3
@@ -121,7 +122,7 @@ def test_paper_configs_match_the_notes(name):
   assert (cfg.reward.correct, cfg.reward.incorrect) == (1.0, -0.01)
   assert cfg.model.dtype == 'bfloat16' and cfg.model.remat_policy != 'none'
   assert cfg.model.path == ''  # the user points it at the weights
-  assert cfg.data.prompts_per_step * cfg.data.samples_per_prompt % o.micro_batches == 0
+  assert cfg.data.prompts_per_step * cfg.data.samples_per_prompt % cfg.optim.micro_batches == 0
   doc = _module(name).__doc__
   assert 'GPU' in doc and 'model.path' in doc
 
@@ -134,12 +135,12 @@ def test_paper_math_configs(name, preset, pass1):
   assert (cfg.data.source, cfg.reward.verifier) == ('file', 'math_verify')
   assert cfg.data.eval_path and cfg.data.eval_size == 500  # MATH-500 held out
   assert (cfg.eval.k, cfg.eval.temperature) == (4, 1.0)
-  assert cfg.optim.sketch_optimizer == 'row_adam' and cfg.optim.kl_budget_steps == 300
+  assert cfg.optim.logra.sketch_optimizer == 'row_adam' and cfg.optim.logra.kl_budget_steps == 300
   assert cfg.rollout.max_new_tokens + 512 == 4096  # context <= 4,096 with a <= 512 prompt
   assert pass1 in _module(name).__doc__
   adam = _config(name, 'adam')  # §7 dense baseline
-  assert (adam.optim.name, adam.optim.adam_learning_rate, adam.optim.lr_schedule,
-          adam.optim.warmup_steps, adam.optim.b1, adam.optim.adam_b2) == (
+  assert (adam.optim.name, adam.optim.adam.learning_rate, adam.optim.lr_schedule,
+          adam.optim.warmup_steps, adam.optim.adam.b1, adam.optim.adam.b2) == (
               'adam', 1e-6, 'cosine', 9, 0.9, 0.95)
   assert adam.total_steps == 300
 
@@ -147,11 +148,11 @@ def test_paper_math_configs(name, preset, pass1):
 def test_paper_27b_config():
   cfg = _config('paper_27b_reasoning_gym')
   assert cfg.model.preset == 'qwen2.5-32b'
-  assert cfg.optim.sketch_optimizer == 'sgd' and cfg.optim.kl_probe == 'fd'
+  assert cfg.optim.logra.sketch_optimizer == 'sgd' and cfg.optim.logra.kl_probe == 'fd'
   assert cfg.rollout.max_new_tokens + 1024 == 16384
   assert (cfg.data.train_size, cfg.data.eval_size) == (38948, 193)
   assert len(cfg.data.name.split(',')) == 8 and cfg.reward.verifier == 'reasoning_gym'
-  assert cfg.optim.kl_budget_init > cfg.optim.kl_budget_final  # a tightening budget
+  assert cfg.optim.logra.kl_budget_init > cfg.optim.logra.kl_budget_final  # a tightening budget
   assert '39.69' in _module('paper_27b_reasoning_gym').__doc__
 
 
@@ -238,14 +239,17 @@ def test_smollm2_smoke_run_end_to_end(tmp_path):
 def config_dict(**changes):
   d = tiny.get_config().to_dict()
   for key, value in changes.items():
-    section, leaf = key.split('__')
-    d[section][leaf] = value
+    *parents, leaf = key.split('__')
+    node = d
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
   return d
 
 
 def test_unknown_key_is_named_with_the_closest_valid_one():
-  with pytest.raises(ValueError, match=r"'optim\.rnak'.*did you mean 'optim\.rank'"):
-    config_lib.from_config_dict(config_dict(optim__rnak=3))
+  with pytest.raises(ValueError, match=r"'optim\.logra\.rnak'.*did you mean 'optim\.logra\.rank'"):
+    config_lib.from_config_dict(config_dict(optim__logra__rnak=3))
   c = tiny.get_config()
   with pytest.raises(AttributeError):  # the locked ConfigDict refuses a new key outright
     c.optim.rnak = 3
@@ -256,17 +260,17 @@ def test_unknown_key_is_named_with_the_closest_valid_one():
 @pytest.mark.parametrize('key,value,pattern', [
     ('optim__name', 'sgd', r'optim\.name'),
     ('rl__advantage', 'ppo', r'rl\.advantage'),
-    ('optim__rank', 0, r'optim\.rank'),
-    ('optim__rank', 1.5, r"'optim\.rank' must be int"),
-    ('optim__rank', True, r"'optim\.rank' must be int"),
-    ('optim__refresh', 1, r"'optim\.refresh' must be bool"),
+    ('optim__logra__rank', 0, r'optim\.logra\.rank'),
+    ('optim__logra__rank', 1.5, r"'optim\.logra\.rank' must be int"),
+    ('optim__logra__rank', True, r"'optim\.logra\.rank' must be int"),
+    ('optim__logra__refresh', 1, r"'optim\.logra\.refresh' must be bool"),
     ('data__options', '{oops', r'data\.options'),
     ('optim__micro_batches', 3, r'optim\.micro_batches'),
     # Caught here, not later by the schedule / sampler / loss without the key's name.
-    ('optim__kl_budget_init', 0.0, r'optim\.kl_budget_init'),
-    ('optim__kl_budget_final', -1e-5, r'optim\.kl_budget_final'),
-    ('optim__kl_budget_steps', 0, r'optim\.kl_budget_steps'),
-    ('optim__rank_tau', 0.0, r'optim\.rank_tau'),
+    ('optim__logra__kl_budget_init', 0.0, r'optim\.logra\.kl_budget_init'),
+    ('optim__logra__kl_budget_final', -1e-5, r'optim\.logra\.kl_budget_final'),
+    ('optim__logra__kl_budget_steps', 0, r'optim\.logra\.kl_budget_steps'),
+    ('optim__logra__rank_tau', 0.0, r'optim\.logra\.rank_tau'),
     ('rollout__temperature', 0.0, r'rollout\.temperature'),
     ('rollout__engine', 'jax', r"rollout\.engine='jax' must be one of \('embedded', 'http'\)"),
     ('rollout__engine', 'http', r'rollout\.engine=http needs exactly one of .*rollout\.urls'),
@@ -281,24 +285,102 @@ def test_bad_values_name_the_key(key, value, pattern):
 def test_wrong_type_is_refused_by_the_config_dict_too():
   c = tiny.get_config()
   with pytest.raises(TypeError):
-    c.optim.rank = 'sixteen'
+    c.optim.logra.rank = 'sixteen'
 
 
 def test_int_is_accepted_for_a_float_key():
-  cfg = config_lib.from_config_dict(config_dict(optim__learning_rate=1))
-  assert cfg.optim.learning_rate == 1.0 and isinstance(cfg.optim.learning_rate, float)
+  cfg = config_lib.from_config_dict(config_dict(optim__logra__learning_rate=1))
+  assert cfg.optim.logra.learning_rate == 1.0 and isinstance(cfg.optim.logra.learning_rate, float)
 
 
 def test_momentum_needs_fixed_projections():
-  with pytest.raises(ValueError, match=r'optim\.momentum'):
-    config_lib.from_config_dict(config_dict(optim__momentum=0.9))
-  with pytest.raises(ValueError, match=r'optim\.momentum'):
-    config_lib.from_config_dict(config_dict(optim__momentum=0.9, optim__refresh=False,
-                                            optim__rank_delta=4))
-  cfg = config_lib.from_config_dict(config_dict(optim__momentum=0.9, optim__refresh=False))
-  assert cfg.optim.momentum == 0.9
+  with pytest.raises(ValueError, match=r'optim\.logra\.momentum'):
+    config_lib.from_config_dict(config_dict(optim__logra__momentum=0.9))
+  with pytest.raises(ValueError, match=r'optim\.logra\.momentum'):
+    config_lib.from_config_dict(config_dict(optim__logra__momentum=0.9,
+                                            optim__logra__refresh=False,
+                                            optim__logra__rank_delta=4))
+  cfg = config_lib.from_config_dict(config_dict(optim__logra__momentum=0.9,
+                                                optim__logra__refresh=False))
+  assert cfg.optim.logra.momentum == 0.9
 
 
 def test_tiny_config_validates():
   cfg = config_lib.from_config_dict(tiny.get_config())
   assert cfg.optim.name == 'logra' and cfg.model.preset == 'tiny'
+
+
+# ------------------------------------------------------------- per-method optimizer sections
+
+@pytest.mark.parametrize('name,key,value,owner', [
+    ('adam', 'logra__rank', 256, 'logra'),
+    ('adam', 'lora__rank', 4, 'lora'),
+    ('logra', 'adam__learning_rate', 3e-4, 'adam'),
+    ('lora', 'adam__trainable', 'sketched', 'adam'),
+    ('logra', 'lora__alpha', 8.0, 'lora'),
+])
+def test_a_key_of_another_method_is_an_error_naming_key_and_method(name, key, value, owner):
+  d = config_dict()
+  d['optim'] = dataclasses.asdict(config_lib.OptimSection(name=name))
+  section, leaf = key.split('__')
+  d['optim'][section][leaf] = value
+  with pytest.raises(ValueError, match=(rf"optim\.{section}\.{leaf}=.* belongs to method "
+                                        rf"'{owner}', but optim\.name='{name}'")):
+    config_lib.from_config_dict(d)
+
+
+def test_the_chosen_method_takes_its_own_keys():
+  for name, section in (('adam', 'adam'), ('lora', 'lora'), ('logra', 'logra')):
+    d = config_dict()
+    d['optim'] = dataclasses.asdict(config_lib.OptimSection(name=name))
+    d['optim'][section]['learning_rate'] = 3e-4
+    cfg = config_lib.from_config_dict(d)
+    assert config_lib.method_section(cfg.optim).learning_rate == 3e-4
+
+
+def test_the_tiny_config_refuses_a_method_switch_on_the_command_line():
+  """configs/tiny.py sets optim.logra.*: --config.optim.name=adam names the LoGRA key and
+  the :adam variant; the variant itself validates."""
+  with pytest.raises(ValueError, match=r"optim\.logra\.\w+=.*belongs to method 'logra'.*tiny\.py:adam"):
+    config_lib.from_config_dict(config_dict(optim__name='adam'))
+  adam = config_lib.from_config_dict(tiny.get_config('adam'))
+  assert (adam.optim.name, adam.optim.adam.learning_rate) == ('adam', 2e-4)
+  assert adam.optim.logra == config_lib.LograSection()
+
+
+@pytest.mark.parametrize('old,new', [
+    ('rank', 'optim.logra.rank'), ('adam_learning_rate', 'optim.adam.learning_rate'),
+    ('lora_rank', 'optim.lora.rank'), ('kl_budget_init', 'optim.logra.kl_budget_init'),
+    ('learning_rate', 'optim.logra.learning_rate'), ('b1', 'optim.adam.b1'),
+])
+def test_an_old_key_says_its_new_name(old, new):
+  d = config_dict()
+  d['optim'][old] = 1
+  with pytest.raises(ValueError, match=rf"config key 'optim\.{old}' is now {re.escape(new)}"):
+    config_lib.from_config_dict(d)
+  with pytest.raises(SystemExit, match=rf"'optim\.{old}' is now {re.escape(new)}"):
+    config_lib.check_override_flags(['train.py', f'--config.optim.{old}=3'])
+  config_lib.check_override_flags(['train.py', '--config.optim.logra.rank=3'])  # new: fine
+
+
+def test_every_pre_split_key_is_mapped_to_a_key_that_exists():
+  """RENAMED covers the flat section's keys, and each new name (its first) is a real key."""
+  cfg = config_lib.TrainConfig()
+  for old, new in config_lib.RENAMED.items():
+    path = new.split()[0].split('.')[1:]
+    node = cfg.optim
+    for part in path:
+      node = getattr(node, part)  # AttributeError: a rename to nowhere
+    assert old.split('.')[1] not in {f.name for f in dataclasses.fields(config_lib.OptimSection)}
+
+
+def test_with_method_and_switch_method():
+  base = config_lib.from_config_dict(tiny.get_config())
+  adam = config_lib.with_method(base, 'adam', learning_rate=5e-4, trainable='sketched')
+  assert (adam.optim.name, adam.optim.adam.learning_rate, adam.optim.adam.trainable) == (
+      'adam', 5e-4, 'sketched')
+  assert adam.optim.logra == config_lib.LograSection()
+  assert adam.optim.micro_batches == base.optim.micro_batches  # the shared keys stay
+  c = tiny.get_config()
+  config_lib.switch_method(c, 'lora')
+  assert config_lib.from_config_dict(c).optim.name == 'lora'

@@ -1,4 +1,4 @@
-"""The KL probe costs only what it is used for (issue 11): `optim.kl_control=False` with
+"""The KL probe costs only what it is used for (issue 11): `optim.logra.kl_control=False` with
 `optim.telemetry_every=0` traces no JVP and no extra forward; the realised-KL telemetry runs
 only at the steps the caller asks for, and the metrics say which steps those were.
 

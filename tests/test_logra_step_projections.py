@@ -20,12 +20,14 @@ from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl import losses as rl_losses
 from logra_jax.train import methods, optimizers, steps
-from logra_jax.train.config import OptimSection, default_config, from_config_dict
+from logra_jax.train.steps import losses as step_losses
+from logra_jax.train.config import (LograSection, OptimSection, default_config,
+                                    from_config_dict)
 
 N, P, T = 4, 4, 3
 SEED = 5
 # Rank 4 on attention (1/2: exact in bfloat16), 3 on the MLP (1/sqrt(3): float32 only).
-SECTION = OptimSection(rank=3, rank_rules='[qkvo]_proj=4')
+SECTION = LograSection(rank=3, rank_rules='[qkvo]_proj=4')
 SC = steps.StepConfig(prompt_len=P, micro_batches=2, kl_sequences=N, kl_control=True,
                       kl_probe='jvp', alpha_max=3.0, sparse_mask=0.0, return_update=True)
 LOSS = rl_losses.LossConfig('reinforce_tis', (('cap', 2.0),), entropy_coef=0.01)
@@ -42,7 +44,7 @@ def tiny():
   batch = dict(tokens=tokens, mask=np.ones((N, P + T), bool), targets=tokens[:, P:],
                target_mask=np.ones((N, T), np.float32),
                advantages=rng.normal(size=N).astype(np.float32))
-  logits = jax.jit(lambda p, b: steps.completion_logits(model, {'params': p}, b, P))(
+  logits = jax.jit(lambda p, b: step_losses.completion_logits(model, {'params': p}, b, P))(
       params, batch)
   logp = np.asarray(rl_losses.token_logprobs(logits, batch['targets']))
   batch['behaviour_logp'] = (logp + rng.uniform(-0.1, 0.1, (N, T))).astype(np.float32)
@@ -88,7 +90,7 @@ def test_step_with_device_projections_equals_the_step_on_host_projections(tiny):
   sketch's x Aᵀ casts A to the compute dtype), and both steps run the same ops on them.
   """
   mc, model, params, batch = tiny
-  opt = optimizers.logra_optimizer(SECTION, total_steps=10)
+  opt = optimizers.logra_optimizer(OptimSection(logra=SECTION), total_steps=10)
   names = hf_io.projection_name_fn(mc)
   spec = optimizers.projection_spec(SECTION, 3, names)
   device_step = steps.make_logra_step(model, LOSS, opt, SC, spec)

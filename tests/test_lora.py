@@ -18,7 +18,7 @@ from logra_jax.models import transformer
 from logra_jax.models.config import ModelConfig
 from logra_jax.rl import losses as rl_losses
 from logra_jax.train import lora, optimizers, steps, tasks
-from logra_jax.train.config import OptimSection
+from logra_jax.train.config import LoraSection, OptimSection
 from trainer_runs import (assert_same_run, format_reward, make_config,  # noqa: F401
                           run_and_resume, trees_differ, xla_cache)
 
@@ -95,11 +95,11 @@ def _batch():
 
 
 def _lora_step(model):
-  o = OptimSection(name='lora', lora_rank=RANK, lora_alpha=RANK * SCALE)
+  o = OptimSection(name='lora', lora=LoraSection(rank=RANK, alpha=RANK * SCALE))
   opt = optimizers.adam_optimizer(o, total_steps=10)
   loss_cfg = rl_losses.LossConfig(policy='reinforce_tis', hparams=(('cap', 2.0),))
   sc = steps.StepConfig(P, 1, N, False, 'jvp', 1.0, 0.0)
-  scale = o.lora_alpha / o.lora_rank
+  scale = o.lora.alpha / o.lora.rank
   return steps.make_dense_step(model, loss_cfg, opt, sc, lora_scale=scale), opt
 
 

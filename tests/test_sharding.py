@@ -173,13 +173,17 @@ STEP_SCRIPT = '''
     out = {}
     for name in ('logra', 'adam'):
       cfg = default_config()
-      cfg.optim.name, cfg.optim.rank, cfg.optim.micro_batches = name, 8, 2
+      cfg.optim.name, cfg.optim.micro_batches = name, 2
+      if name == 'logra':
+        cfg.optim.logra.rank = 8
+      else:
+        cfg.optim.adam.learning_rate = 1e-3
       # Pairs of samples: one and four devices pack the same rows (runs of 2 sharing a prompt,
       # 4 packed rows per micro-batch), so the two programs compute the same sums. (With
       # groups of 4 one device packs runs of 4 and four devices runs of 2, to keep 4 packed
       # rows: other rounding, which Adam's normalisation shows on near-zero gradients.)
       cfg.data.prompts_per_step, cfg.data.samples_per_prompt = 8, 2
-      cfg.optim.kl_sequences, cfg.optim.adam_learning_rate = 8, 1e-3
+      cfg.optim.kl_sequences = 8
       m = methods.get_method(from_config_dict(cfg), model, layout)
       state = m.init(host)
       for t in (1, 2):                               # step 2 reads the optimizer state

@@ -29,7 +29,8 @@ from logra_jax.rl import losses as rl_losses
 from logra_jax.rl.types import GenerationRequest, GenerationResult, SamplingParams
 from logra_jax.train import lora as lora_lib
 from logra_jax.train import optimizers, steps
-from logra_jax.train.config import OptimSection
+from logra_jax.train.steps import losses as step_losses
+from logra_jax.train.config import LograSection, LoraSection, OptimSection
 from logra_jax.train.rollout import JaxGenerator, assemble_batch
 
 N, P, T = 4, 4, 3           # sequences, prompt length, completion length
@@ -90,7 +91,7 @@ def setup():
     batch = dict(tokens=tokens, mask=mask, targets=tokens[:, P:], target_mask=tmask,
                  advantages=rng.normal(size=N))
     # Behaviour log-probs near the model's own (importance ratios in [0.9, 1.1], under the cap).
-    logits = jax.jit(lambda p, b: steps.completion_logits(model, {'params': p}, b, P))(
+    logits = jax.jit(lambda p, b: step_losses.completion_logits(model, {'params': p}, b, P))(
         params, batch)
     logp = rl_losses.token_logprobs(logits, batch['targets'])
     batch['behaviour_logp'] = np.asarray(logp) + rng.uniform(-0.1, 0.1, (N, T))
@@ -138,7 +139,7 @@ def step_config(m=1, **changes):
 # random model is far less sensitive than a trained LLM (q ≈ 5e-9 at 6e-5, α would sit at
 # α_max), so 1e-2 puts α = sqrt(δ/q) inside (0, α_max) and every factor of the step is seen.
 UPDATE_RATIO = 1e-2
-LOGRA_SECTION = OptimSection(learning_rate=1.0, update_ratio=UPDATE_RATIO)
+LOGRA_SECTION = OptimSection(logra=LograSection(learning_rate=1.0, update_ratio=UPDATE_RATIO))
 LOGRA_OPT = optimizers.logra_optimizer(LOGRA_SECTION, total_steps=10)
 ADAM_OPT = optimizers.adam_optimizer(OptimSection(name='adam'), total_steps=10)
 _STEPS = {}
@@ -180,7 +181,7 @@ def dense_grads(setup):
   _, model, params, batch, _ = setup
 
   def loss(p):
-    logits = steps.completion_logits(model, {'params': p}, batch, P)
+    logits = step_losses.completion_logits(model, {'params': p}, batch, P)
     return rl_losses.rl_loss(loss_config(), logits, batch['targets'], batch['behaviour_logp'],
                              batch['advantages'], batch['target_mask'])[0]
   with jax.enable_x64(True):
@@ -253,7 +254,7 @@ def test_logra_update_is_alpha_times_relative_row_adam_step_of_the_dense_gradien
   delta = {p: np.einsum('lrk,lrd->lkd', a_np[p], u[p]) for p in u}
   # The relative step's defining property: ‖Δ‖ = update_ratio · lr · ‖W‖ over all kernels.
   np.testing.assert_allclose(norm(delta), UPDATE_RATIO * norm(w), rtol=1e-12)
-  logits_fn = lambda p: steps.completion_logits(model, {'params': p}, batch, P)
+  logits_fn = lambda p: step_losses.completion_logits(model, {'params': p}, batch, P)
   logits, dlogits = jax.jit(lambda p, t: jax.jvp(logits_fn, (p,), (t,)))(
       params, dense_tangent(params, delta))
   q = float(sketch.kl_coefficient(logits, dlogits, 1.0, batch['target_mask']))
@@ -276,7 +277,7 @@ def test_logra_update_is_alpha_times_relative_row_adam_step_of_the_dense_gradien
 
 
 def test_finite_difference_kl_probe_agrees_with_the_jvp(x64, setup):
-  """optim.kl_probe='fd' (the 27B config): same U, q from a true KL, α and the KL from q."""
+  """optim.logra.kl_probe='fd' (the 27B config): same U, q from a true KL, α and the KL from q."""
   params = setup[2]
   p_jvp, _, m_jvp = run_logra(setup)
   p_fd, _, m_fd = run_logra(setup, kl_probe='fd')
@@ -302,10 +303,11 @@ def test_finite_difference_kl_probe_agrees_with_the_jvp(x64, setup):
 
 
 def test_sparse_mask_inside_the_step(x64, setup, dense_grads):
-  """optim.sparse_mask: per step key, drop output units (update exactly 0), rescale the rest."""
+  """optim.logra.sparse_mask: per step key, drop output units (update exactly 0), rescale the rest."""
   _, model, params, batch, a = setup
   p, lr = 0.5, 1e-2
-  opt = optimizers.logra_optimizer(OptimSection(sketch_optimizer='sgd', learning_rate=lr), 10)
+  opt = optimizers.logra_optimizer(
+      OptimSection(logra=LograSection(sketch_optimizer='sgd', learning_rate=lr)), 10)
   step = steps.make_logra_step(model, loss_config(), opt,
                                step_config(kl_control=False, sparse_mask=p),
                                projection_spec(model))
@@ -349,7 +351,8 @@ def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(x64, setup, dense_grads
   """The tiny default's rule: α = min(1, sqrt(δ/q)) on lr · S/root (preserve_norm=False)."""
   _, model, params, batch, a = setup
   lr = 1e-3
-  opt = optimizers.logra_optimizer(OptimSection(preserve_norm=False, learning_rate=lr), 10)
+  opt = optimizers.logra_optimizer(
+      OptimSection(logra=LograSection(preserve_norm=False, learning_rate=lr)), 10)
   step = steps.make_logra_step(model, loss_config(), opt, step_config(alpha_max=1.0),
                                projection_spec(model))
   s = jax.tree.map(lambda a_, g: jnp.einsum('lrk,lkd->lrd', a_, g), a,
@@ -438,7 +441,7 @@ def test_dense_adam_step_skips_a_non_finite_batch(no_x64, setup32):
 
 def test_rank_schedule_changes_projection_ranks_and_the_state_carries_over(no_x64, setup32):
   params = setup32[2]
-  o = OptimSection(rank=RANK, rank_delta=RANK, rank_tau=2.0)
+  o = LograSection(rank=RANK, rank_delta=RANK, rank_tau=2.0)
   # r_t = 4 + ceil(4 tanh(t/2)): 4 at t = 0, 8 at t = 10 (tanh(5) > 0.99).
   ranks = lambda tree: {x.shape[-2] for x in jax.tree.leaves(tree)}
   assert ranks(optimizers.projections_at(o, params, 0, 0)) == {RANK}
@@ -479,10 +482,10 @@ def test_lora_merge_by_hand():
 
 def test_lora_step_trains_only_the_adapters(x64, setup, dense_grads):
   _, model, params, batch, _ = setup
-  o = OptimSection(name='lora', lora_rank=2, lora_alpha=4.0)
-  scale = o.lora_alpha / o.lora_rank
+  o = OptimSection(name='lora', lora=LoraSection(rank=2, alpha=4.0))
+  scale = o.lora.alpha / o.lora.rank
   merge = lambda p, lora: lora_lib.merge(p, lora, scale)
-  lora = lora_lib.init(params, o.lora_rank, jax.random.key(1))
+  lora = lora_lib.init(params, o.lora.rank, jax.random.key(1))
   opt = optimizers.adam_optimizer(o, total_steps=10)
   step = steps.make_dense_step(model, loss_config(), opt, step_config(), lora_scale=scale)
   base = jax.device_get(params)
@@ -500,7 +503,7 @@ def test_lora_step_trains_only_the_adapters(x64, setup, dense_grads):
       got = got[k]
     np.testing.assert_array_equal(got['a'], ab['a'])
     g_b = scale * jnp.einsum('lkr,lkd->lrd', ab['a'], g_flat[path])
-    close(got["b"], -o.adam_learning_rate * g_b / (jnp.abs(g_b) + 1e-8))
+    close(got["b"], -o.lora.learning_rate * g_b / (jnp.abs(g_b) + 1e-8))
   merged = flat(merge(params, new))
   for path, w in flat(params).items():
     if path in traverse_util.flatten_dict(lora, is_leaf=lambda k, v: 'a' in v):

@@ -172,11 +172,11 @@ def check_rows(rows, name, cfg):
     if name == 'logra':
       # predicted KL = α² q, with α = min(α_max, sqrt(δ/q)): at the budget unless α is capped.
       # The metrics are float32: 1e-5 relative covers their rounding.
-      assert 0.0 < row['alpha'] <= cfg.optim.alpha_max
+      assert 0.0 < row['alpha'] <= cfg.optim.logra.alpha_max
       assert row['kl_coefficient'] > 0.0
       np.testing.assert_allclose(row['predicted_kl'], row['alpha']**2 * row['kl_coefficient'],
                                  rtol=1e-5)
-      if row['alpha'] < cfg.optim.alpha_max:
+      if row['alpha'] < cfg.optim.logra.alpha_max:
         np.testing.assert_allclose(row['predicted_kl'], row['kl_budget'], rtol=1e-5)
       assert row['kl_budget'] > 0.0
     else:
@@ -191,7 +191,7 @@ def test_methods_write_every_metric(name, full_run):
   cfg = make_config(optim__name=name)
   check_rows(rows, name, cfg)
   if name == 'logra':  # the budget, not α_max, set at least one step
-    assert any(r['alpha'] < cfg.optim.alpha_max for r in rows[1:])
+    assert any(r['alpha'] < cfg.optim.logra.alpha_max for r in rows[1:])
   assert all(r['skipped'] == 0.0 for r in rows[1:])
   assert all(r['loss'] is not None for r in rows[1:])
   # The format reward varies: some steps have a policy-gradient loss (the only loss term).

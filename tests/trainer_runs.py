@@ -21,6 +21,8 @@ from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.metrics import read_metrics
 
 FORMAT_REWARD = 'starts_with_a_digit'
+# warm_start.cache_dir of every make_config: the session's (tests/conftest.py sets it).
+WARM_START_CACHE_DIR = ''
 
 
 def starts_with_a_digit(completion: str, reference) -> float:
@@ -56,6 +58,7 @@ def make_config(**overrides) -> config_lib.TrainConfig:
   """configs/tiny.py shrunk to seconds; ``overrides`` as section__key=value (optim__name=...)."""
   c = tiny.get_config()
   c.warm_start.steps = 0
+  c.warm_start.cache_dir = WARM_START_CACHE_DIR
   c.data.prompts_per_step = 4
   c.data.samples_per_prompt = 4
   c.data.eval_size = 8
@@ -66,10 +69,13 @@ def make_config(**overrides) -> config_lib.TrainConfig:
   c.optim.kl_sequences = 4
   # A budget this small keeps α = sqrt(δ/q) below α_max = 1 (q ~ 2e-2 here), so the KL
   # control is what sets the LoGRA step size.
-  c.optim.kl_budget_init = c.optim.kl_budget_final = 1e-4
+  c.optim.logra.kl_budget_init = c.optim.logra.kl_budget_final = 1e-4
   c.total_steps = 4
   c.eval_every = 2
   c.checkpoint_every = 2
+  name = overrides.pop('optim__name', 'logra')
+  if name != 'logra':  # the method's own defaults (a config sets only its method's keys)
+    config_lib.switch_method(c, name)
   for key, value in overrides.items():
     *parents, leaf = key.split('__')
     node = c

@@ -19,7 +19,7 @@ from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer
 from logra_jax.train import methods, optimizers, steps
 from logra_jax.parallel import parse_axis_rules
-from logra_jax.train.config import TrainConfig, from_config_dict
+from logra_jax.train.config import TrainConfig, from_config_dict, switch_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
@@ -60,7 +60,9 @@ def load_config(model_key: str, method: str) -> TrainConfig:
   spec.loader.exec_module(module)
   cfg = module.get_config(dense_arg) if method == 'dense' and dense_arg else module.get_config()
   if method == 'dense':  # the dense recipe: fp32 master weights (the :adam variants set it)
-    cfg.optim.name, cfg.model.param_dtype = 'adam', 'float32'
+    if cfg.optim.name != 'adam':
+      switch_method(cfg, 'adam')
+    cfg.model.param_dtype = 'float32'
   if model_key == 'tiny':  # the paper configs' memory settings, at the tiny shape
     cfg.model.dtype, cfg.model.remat_policy = 'bfloat16', 'full'
     cfg.model.param_dtype = 'float32' if method == 'dense' else 'bfloat16'
@@ -99,9 +101,9 @@ def plan_step_config(cfg: TrainConfig, devices: int, prompt_len: int,
   ``micro_batches`` (0: the config's whole batch, N / devices) sets the scan length.
   """
   m = micro_batches or cfg.data.prompts_per_step * cfg.data.samples_per_prompt // devices
-  o = cfg.optim
-  return steps.StepConfig(prompt_len, m, o.kl_sequences, o.kl_control, o.kl_probe,
-                          o.alpha_max, o.sparse_mask)
+  o, lg = cfg.optim, cfg.optim.logra
+  return steps.StepConfig(prompt_len, m, o.kl_sequences, lg.kl_control, lg.kl_probe,
+                          lg.alpha_max, lg.sparse_mask)
 
 
 def telemetry_flag(sharding):
@@ -111,7 +113,7 @@ def telemetry_flag(sharding):
 
 def build_logra_step(model, cfg: TrainConfig, opt, sc, sh):
   """THE place the plan builds the LoGRA step: A drawn inside it, as in the trainer."""
-  spec = optimizers.projection_spec(cfg.optim, 0, hf_io.projection_name_fn(model.config))
+  spec = optimizers.projection_spec(cfg.optim.logra, 0, hf_io.projection_name_fn(model.config))
   return steps.make_logra_step(model, methods.loss_config(cfg), opt, sc, spec, sh)
 
 
@@ -128,10 +130,9 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0, rows=0) -
   `plan_step_config`); the trainer's step is ``rows`` = prompts x samples in
   ``cfg.optim.micro_batches``.
   """
-  o = cfg.optim
-  opt = optimizers.logra_optimizer(o, cfg.total_steps)
+  opt = optimizers.logra_optimizer(cfg.optim, cfg.total_steps)
   pl = methods.Placement(cfg, model, layout)
-  spec = optimizers.projection_spec(o, 0, hf_io.projection_name_fn(model.config))
+  spec = optimizers.projection_spec(cfg.optim.logra, 0, hf_io.projection_name_fn(model.config))
   a = jax.eval_shape(lambda: steps.draw_projections(pl.abstract, 0, 0, spec))  # drawn in-step
   probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a)
   probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))

@@ -83,17 +83,9 @@ class RLSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimSection:
-  name: str = 'logra'       # 'logra' | 'adam' | 'lora'
-  learning_rate: float = 1e-2      # LoGRA's sketch optimizer
-  adam_learning_rate: float = 1e-4  # the dense-Adam and LoRA baselines
-  lr_schedule: str = 'constant'  # | 'cosine' (to 0.1x over total_steps)
-  warmup_steps: int = 0
-  micro_batches: int = 1
-  share_prompts: bool = True  # a prompt's samples compute its prompt once (packed rows,
-  #   train/completion.py; same numbers): fewer positions forward and backward
-  max_grad_norm: float = 0.0  # adam/lora global-norm clipping (0: off)
-  # LoGRA
+class LograSection:
+  """optim.logra.*: the sketch, its optimizer and the predicted-KL step size (docs/method.md)."""
+  learning_rate: float = 1e-2  # of the sketch optimizer
   sketch_optimizer: str = 'row_adam'  # | 'sgd'
   rank: int = 16
   rank_rules: str = ''      # per-module ranks: 'regex=rank,regex=rank' (first match wins)
@@ -115,17 +107,76 @@ class OptimSection:
   kl_budget_final: float = 2e-5
   kl_budget_steps: int = 300
   alpha_max: float = 3.0    # 1.0 makes the budget a ceiling: steps are never enlarged
-  kl_sequences: int = 8     # rows of the batch the KL probe runs on (strided over prompts; 8:
-  #   docs/benchmarks.md "The KL probe's size", experiments/kl_probe_size.py)
-  telemetry_every: int = 1  # realised-KL telemetry (an extra forward) every K steps (0: never);
-  #   with kl_control=False and 0 the step runs no KL probe at all (no JVP, no extra forward)
-  mismatch_ema: float = 0.3
-  # Dense Adam / LoRA baselines
+  mismatch_ema: float = 0.3  # EMA of the sampler/trainer mismatch that tightens the budget
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamSection:
+  """optim.adam.*: the dense AdamW baseline."""
+  learning_rate: float = 1e-4
   b1: float = 0.9
-  adam_b2: float = 0.95
+  b2: float = 0.95
   weight_decay: float = 0.0
-  lora_rank: int = 16
-  lora_alpha: float = 32.0
+  max_grad_norm: float = 0.0  # global-norm clipping (0: off)
+  trainable: str = 'all'    # | 'sketched': only the kernels LoGRA sketches train (the rest
+  #   frozen, no optimizer state): "fewer trained parameters" apart from "sketch noise"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection:
+  """optim.lora.*: AdamW on LoRA adapters of the sketched kernels."""
+  learning_rate: float = 1e-4
+  rank: int = 16
+  alpha: float = 32.0
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.0
+  max_grad_norm: float = 0.0  # global-norm clipping (0: off)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSection:
+  """optim.*: what every method shares; optim.<name>.* only the chosen method's keys."""
+  name: str = 'logra'       # 'logra' | 'adam' | 'lora'
+  lr_schedule: str = 'constant'  # | 'cosine' (to 0.1x over total_steps)
+  warmup_steps: int = 0
+  micro_batches: int = 1
+  share_prompts: bool = True  # a prompt's samples compute its prompt once (packed rows,
+  #   train/completion.py; same numbers): fewer positions forward and backward
+  kl_sequences: int = 8     # rows of the batch the KL probe and telemetry run on (strided
+  #   over prompts; docs/benchmarks.md "The KL probe's size", experiments/kl_probe_size.py)
+  telemetry_every: int = 1  # realised-KL telemetry (an extra forward) every K steps (0: never);
+  #   with logra.kl_control=False and 0 the step runs no KL probe at all
+  logra: LograSection = LograSection()
+  adam: AdamSection = AdamSection()
+  lora: LoraSection = LoraSection()
+
+
+METHOD_SECTIONS = {'logra': LograSection, 'adam': AdamSection, 'lora': LoraSection}
+
+# The flat optim section's keys before per-method sections, and where they went.
+RENAMED = {
+    **{f'optim.{k}': f'optim.logra.{k}' for k in (
+        'learning_rate', 'sketch_optimizer', 'rank', 'rank_rules', 'rank_delta', 'rank_tau',
+        'projection', 'refresh', 'momentum', 'b2', 'eps', 'preserve_norm', 'update_ratio',
+        'sparse_mask', 'param_rounding', 'kl_control', 'kl_probe', 'kl_budget_init',
+        'kl_budget_final', 'kl_budget_steps', 'alpha_max', 'mismatch_ema')},
+    'optim.adam_learning_rate': 'optim.adam.learning_rate (or optim.lora.learning_rate)',
+    'optim.adam_b2': 'optim.adam.b2 (or optim.lora.b2)',
+    'optim.b1': 'optim.adam.b1 (or optim.lora.b1)',
+    'optim.weight_decay': 'optim.adam.weight_decay (or optim.lora.weight_decay)',
+    'optim.max_grad_norm': 'optim.adam.max_grad_norm (or optim.lora.max_grad_norm)',
+    'optim.lora_rank': 'optim.lora.rank',
+    'optim.lora_alpha': 'optim.lora.alpha',
+}
+RENAMED['optim.learning_rate'] = ('optim.logra.learning_rate (or optim.adam.learning_rate / '
+                                  'optim.lora.learning_rate)')
+RENAMED['optim.b2'] = 'optim.logra.b2 (or optim.adam.b2 / optim.lora.b2)'
+
+
+def method_section(o: OptimSection):
+  """The chosen method's own section (``optim.<name>``)."""
+  return getattr(o, o.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,19 +232,21 @@ CHOICES = {
     'rl.aggregation': ('token', 'sequence'),
     'optim.name': ('logra', 'adam', 'lora'),
     'optim.lr_schedule': ('constant', 'cosine'),
-    'optim.sketch_optimizer': ('row_adam', 'sgd'),
-    'optim.projection': ('rademacher', 'gaussian', 'orthogonal'),
-    'optim.kl_probe': ('jvp', 'fd'),
-    'optim.param_rounding': ('stochastic', 'nearest'),  # = train.steps.PARAM_ROUNDINGS
+    'optim.logra.sketch_optimizer': ('row_adam', 'sgd'),
+    'optim.logra.projection': ('rademacher', 'gaussian', 'orthogonal'),
+    'optim.logra.kl_probe': ('jvp', 'fd'),
+    'optim.logra.param_rounding': ('stochastic', 'nearest'),  # = train.steps.PARAM_ROUNDINGS
+    'optim.adam.trainable': ('all', 'sketched'),
     'model.dtype': ('float32', 'bfloat16', 'float64'),
     'model.param_dtype': ('float32', 'bfloat16', 'float64'),
     'model.attention': ('dense', 'blockwise'),
 }
 POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',
-            'optim.micro_batches', 'optim.rank', 'optim.kl_sequences', 'optim.lora_rank',
+            'optim.micro_batches', 'optim.logra.rank', 'optim.kl_sequences', 'optim.lora.rank',
             'eval.k', 'total_steps', 'eval_every', 'checkpoint_every',
-            'optim.learning_rate', 'optim.adam_learning_rate', 'optim.alpha_max',
-            'optim.kl_budget_init', 'optim.kl_budget_steps', 'optim.rank_tau',
+            'optim.logra.learning_rate', 'optim.adam.learning_rate', 'optim.lora.learning_rate',
+            'optim.logra.alpha_max', 'optim.logra.kl_budget_init', 'optim.logra.kl_budget_steps',
+            'optim.logra.rank_tau',
             'rollout.temperature', 'model.attention_block')
 
 
@@ -210,12 +263,14 @@ def _check(cfg: TrainConfig):
   for key in POSITIVE:
     if not _get(cfg, key) > 0:
       raise ValueError(f'config key {key} must be > 0, got {_get(cfg, key)!r}')
-  if cfg.optim.momentum and (cfg.optim.refresh or cfg.optim.rank_delta):
-    raise ValueError('config key optim.momentum needs fixed projections: set '
-                     'optim.refresh=False and optim.rank_delta=0')
-  if cfg.optim.kl_budget_final < 0:
-    raise ValueError(f'config key optim.kl_budget_final must be >= 0, '
-                     f'got {cfg.optim.kl_budget_final}')
+  _check_method_keys(cfg.optim)
+  lg = cfg.optim.logra
+  if lg.momentum and (lg.refresh or lg.rank_delta):
+    raise ValueError('config key optim.logra.momentum needs fixed projections: set '
+                     'optim.logra.refresh=False and optim.logra.rank_delta=0')
+  if lg.kl_budget_final < 0:
+    raise ValueError(f'config key optim.logra.kl_budget_final must be >= 0, '
+                     f'got {lg.kl_budget_final}')
   if cfg.optim.telemetry_every < 0:
     raise ValueError(f'config key optim.telemetry_every must be >= 0 (0: never), '
                      f'got {cfg.optim.telemetry_every}')
@@ -235,8 +290,8 @@ def _check(cfg: TrainConfig):
   if cfg.reward.workers < 0:
     raise ValueError(f'config key reward.workers must be >= 0 (0: score in-process), '
                      f'got {cfg.reward.workers}')
-  if not 0 <= cfg.optim.sparse_mask < 1:
-    raise ValueError(f'config key optim.sparse_mask must be in [0, 1), got {cfg.optim.sparse_mask}')
+  if not 0 <= lg.sparse_mask < 1:
+    raise ValueError(f'config key optim.logra.sparse_mask must be in [0, 1), got {lg.sparse_mask}')
   try:
     json.loads(cfg.data.options)
   except json.JSONDecodeError as e:
@@ -250,6 +305,42 @@ def _check(cfg: TrainConfig):
   if cfg.data.prompts_per_step * cfg.data.samples_per_prompt % cfg.optim.micro_batches:
     raise ValueError('config key optim.micro_batches must divide '
                      'data.prompts_per_step * data.samples_per_prompt')
+
+
+def _check_method_keys(o: OptimSection):
+  """A key of a method other than ``optim.name`` (changed from its default) is an error."""
+  for name, cls in METHOD_SECTIONS.items():
+    if name == o.name:
+      continue
+    section, default = getattr(o, name), cls()
+    changed = [f'optim.{name}.{f.name}={getattr(section, f.name)!r}'
+               for f in dataclasses.fields(cls)
+               if getattr(section, f.name) != getattr(default, f.name)]
+    if changed:
+      raise ValueError(
+          f"config key {changed[0]} belongs to method {name!r}, but optim.name={o.name!r}"
+          f"{' (also: ' + ', '.join(changed[1:]) + ')' if changed[1:] else ''}: remove it, "
+          f"or set optim.name={name!r}. A config file sets only its method's keys; take its "
+          f"variant for another method (e.g. configs/tiny.py:adam) rather than overriding "
+          f"optim.name on the command line.")
+
+
+def with_method(cfg: 'TrainConfig', name: str, **keys) -> 'TrainConfig':
+  """``cfg`` trained by method ``name``: that method's section from its defaults plus ``keys``
+  (the other methods' sections at their defaults; the shared optim.* kept)."""
+  o = dataclasses.replace(
+      cfg.optim, name=name, **{m: c() for m, c in METHOD_SECTIONS.items()})
+  o = dataclasses.replace(o, **{name: dataclasses.replace(getattr(o, name), **keys)})
+  return dataclasses.replace(cfg, optim=o)
+
+
+def switch_method(cfg: config_dict.ConfigDict, name: str) -> None:
+  """In place: ``cfg.optim.name = name`` with every method section back at its defaults
+  (an arm that changes method starts from that method's defaults, then its own keys)."""
+  cfg.optim.name = name
+  for m, cls in METHOD_SECTIONS.items():
+    for key, value in dataclasses.asdict(cls()).items():
+      cfg.optim[m][key] = value
 
 
 def _check_dense_param_dtype(cfg: TrainConfig):
@@ -284,6 +375,8 @@ def _convert(cls, values: Any, prefix: str):
   fields = {f.name: f for f in dataclasses.fields(cls)}
   values = dict(values)
   for key in values:
+    if f'{prefix}{key}' in RENAMED:
+      raise ValueError(f"config key '{prefix}{key}' is now {RENAMED[prefix + key]}")
     if key not in fields:
       close = difflib.get_close_matches(key, fields, n=1)
       hint = f"; did you mean '{prefix}{close[0]}'?" if close else ''
@@ -309,12 +402,22 @@ def from_config_dict(cfg) -> TrainConfig:
   return _convert(TrainConfig, values, '')
 
 
+def check_override_flags(argv) -> None:
+  """An absl ``--config.KEY=VALUE`` flag that names a renamed key: an error with the new name
+  (before ml_collections' own 'key does not exist')."""
+  for arg in argv:
+    if arg.startswith('--config.'):
+      key = arg[len('--config.'):].partition('=')[0]
+      if key in RENAMED:
+        raise SystemExit(f'error: config key {key!r} is now {RENAMED[key]} (flag {arg!r})')
+
+
 def parse_rank_rules(text: str):
   """'attn=64,mlp=128' -> (('attn', 64), ('mlp', 128))."""
   rules = []
   for item in filter(None, (s.strip() for s in text.split(','))):
     pattern, _, rank = item.rpartition('=')
     if not pattern or not rank.isdigit():
-      raise ValueError(f"config key optim.rank_rules: expected 'regex=rank', got {item!r}")
+      raise ValueError(f"config key optim.logra.rank_rules: expected 'regex=rank', got {item!r}")
     rules.append((pattern, int(rank)))
   return tuple(rules)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 
 from logra_jax import parallel, sketch
 from logra_jax.models import hf_io
@@ -35,11 +36,12 @@ def loss_config(cfg: TrainConfig) -> rl_losses.LossConfig:
 
 def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
   o = cfg.optim
-  return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, o.kl_control,
-                          o.kl_probe, o.alpha_max, o.sparse_mask,
+  lg = o.logra  # its defaults for the dense methods (no KL control, no mask: unused there)
+  return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, lg.kl_control,
+                          lg.kl_probe, lg.alpha_max, lg.sparse_mask,
                           return_update=cfg.rollout.engine == 'http',
                           telemetry_every=o.telemetry_every,
-                          param_rounding=o.param_rounding,
+                          param_rounding=lg.param_rounding,
                           prompt_group=prompt_group(cfg))
 
 
@@ -79,8 +81,12 @@ class Placement:
     self.abstract = parallel.abstract_params(model.config)
     self.params = parallel.param_shardings(self.layout, model.config)
     n = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
-    lay = self.layout
-    self.batch = lay.batch if n % lay.mesh.size == 0 else lay.replicated
+    if n % self.layout.mesh.size:
+      raise ValueError(
+          f'a step batch of {n} rows (data.prompts_per_step × data.samples_per_prompt) does '
+          f'not divide over the {self.layout.mesh.size} devices of the mesh: every device would '
+          f'compute the whole batch; choose a multiple of {self.layout.mesh.size}')
+    self.batch = self.layout.batch
     self.group = prompt_group(cfg)
 
   def step_shardings(self, opt_state, params=None, train=None, accum=None):
@@ -116,9 +122,9 @@ def _check_seed(seed: int):
 
 
 def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
-  o = cfg.optim
+  o = cfg.optim.logra
   _check_seed(cfg.seed)
-  opt = optimizers.logra_optimizer(o, cfg.total_steps)
+  opt = optimizers.logra_optimizer(cfg.optim, cfg.total_steps)
   pl = Placement(cfg, model, layout)
   names = hf_io.projection_name_fn(model.config)  # generators rebuild A from HF names
   spec_at = lambda t: optimizers.projection_spec(o, t, names)
@@ -144,7 +150,7 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
                                       pl.put_batch(batch, prompt_len),
                                       np.uint32(cfg.seed), np.uint32(a_step),
                                       np.float32(budget), key,
-                                      telemetry=steps.telemetry_at(o.telemetry_every, t))
+                                      telemetry=steps.telemetry_at(cfg.optim.telemetry_every, t))
     params, opt_state, metrics = out[:3]
     if len(out) == 4:
       last[0] = (out[3], cfg.seed, a_step, o.projection)
@@ -154,9 +160,18 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
   return Method(init, step, lambda s: s['params'], pl, last_update=lambda: last[0])
 
 
+def sketched_mask(abstract_params):
+  """True at the kernels LoGRA sketches (`sketch.target_paths`), False elsewhere."""
+  paths = set(sketch.target_paths(abstract_params))
+  flat = traverse_util.flatten_dict(abstract_params)
+  return traverse_util.unflatten_dict({k: k in paths for k in flat})
+
+
 def adam_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
-  opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps)
+  """Dense AdamW; ``optim.adam.trainable='sketched'`` trains only LoGRA's kernels."""
   pl = Placement(cfg, model, layout)
+  trainable = sketched_mask(pl.abstract) if cfg.optim.adam.trainable == 'sketched' else None
+  opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps, trainable)
   opt_sh = pl.layout.state(jax.eval_shape(opt.init, pl.abstract), pl.logical)
   sh = pl.step_shardings(opt_sh, train=pl.params, accum=pl.params)
   get = _cached(lambda p: steps.make_dense_step(model, loss_config(cfg), opt,
@@ -180,11 +195,11 @@ def adam_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = Non
 def lora_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
   """AdamW on LoRA adapters computed in the layers (`logra_jax.train.lora`); the generator
   samples with the merged weights W + s·a b."""
-  o = cfg.optim
-  opt = optimizers.adam_optimizer(o, cfg.total_steps)
-  scale = o.lora_alpha / o.lora_rank
+  o = cfg.optim.lora
+  opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps)
+  scale = o.alpha / o.rank
   pl = Placement(cfg, model, layout)
-  new_lora = lambda: lora.init(pl.abstract, o.lora_rank, jax.random.key(cfg.seed + 1))
+  new_lora = lambda: lora.init(pl.abstract, o.rank, jax.random.key(cfg.seed + 1))
   lora_abs = jax.eval_shape(new_lora)
   lora_logical = parallel.lora_logical(pl.logical, sketch.target_paths(pl.abstract))
   lora_sh = pl.layout.flat(lora_abs, lora_logical)
@@ -205,7 +220,8 @@ def lora_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = Non
     del budget
     ab, opt_state, metrics = get(prompt_len)(state['params'], state['lora'],
                                              state['opt_state'], pl.put_batch(batch, prompt_len),
-                                             telemetry=steps.telemetry_at(o.telemetry_every, t))
+                                             telemetry=steps.telemetry_at(
+                                                 cfg.optim.telemetry_every, t))
     return dict(state, lora=ab, opt_state=opt_state), metrics
 
   return Method(init, step, lambda s: merged(s['params'], s['lora']), pl)

@@ -2,12 +2,14 @@
 
 The LoRA adapters themselves (init, in-layer forward, merge) are in `logra_jax.train.lora`.
 """
+import jax
 import jax.numpy as jnp
 import optax
 
 from logra_jax import sketch
 from logra_jax.train import steps
-from logra_jax.train.config import OptimSection, parse_rank_rules
+from logra_jax.train.config import (AdamSection, LograSection, LoraSection, OptimSection,
+                                    parse_rank_rules)
 
 
 def learning_rate(o: OptimSection, total_steps: int, peak: float) -> optax.Schedule:
@@ -23,19 +25,30 @@ def learning_rate(o: OptimSection, total_steps: int, peak: float) -> optax.Sched
 
 
 def logra_optimizer(o: OptimSection, total_steps: int):
-  return sketch.logra(learning_rate(o, total_steps, o.learning_rate), optimizer=o.sketch_optimizer, b2=o.b2,
-                      eps=o.eps, update_ratio=o.update_ratio or None,
-                      momentum=o.momentum or None, preserve_norm=o.preserve_norm)
+  lg = o.logra
+  return sketch.logra(learning_rate(o, total_steps, lg.learning_rate),
+                      optimizer=lg.sketch_optimizer, b2=lg.b2, eps=lg.eps,
+                      update_ratio=lg.update_ratio or None, momentum=lg.momentum or None,
+                      preserve_norm=lg.preserve_norm)
 
 
-def adam_optimizer(o: OptimSection, total_steps: int):
-  parts = [optax.clip_by_global_norm(o.max_grad_norm)] if o.max_grad_norm else []
-  parts.append(optax.adamw(learning_rate(o, total_steps, o.adam_learning_rate), b1=o.b1, b2=o.adam_b2,
-                           weight_decay=o.weight_decay))
-  return optax.chain(*parts)
+def adam_optimizer(o: OptimSection, total_steps: int, trainable=None):
+  """AdamW of ``optim.adam`` (or ``optim.lora`` for LoRA's adapters), with the shared schedule.
+
+  ``trainable``: a pytree of bools like the params (``optim.adam.trainable='sketched'``): the
+  others get a zero update and no optimizer state."""
+  s: AdamSection | LoraSection = o.lora if o.name == 'lora' else o.adam
+  parts = [optax.clip_by_global_norm(s.max_grad_norm)] if s.max_grad_norm else []
+  parts.append(optax.adamw(learning_rate(o, total_steps, s.learning_rate), b1=s.b1, b2=s.b2,
+                           weight_decay=s.weight_decay))
+  opt = optax.chain(*parts)
+  if trainable is None:
+    return opt
+  labels = lambda params: jax.tree.map(lambda t: 'train' if t else 'freeze', trainable)
+  return optax.multi_transform({'train': opt, 'freeze': optax.set_to_zero()}, labels)
 
 
-def rank_rules(o: OptimSection, step: int) -> sketch.RankRules:
+def rank_rules(o: LograSection, step: int) -> sketch.RankRules:
   """Per-module ranks at ``step`` (the dynamic schedule scales them with r_t / r_0)."""
   rules = sketch.RankRules(parse_rank_rules(o.rank_rules), default=o.rank)
   if not o.rank_delta:
@@ -43,18 +56,18 @@ def rank_rules(o: OptimSection, step: int) -> sketch.RankRules:
   return rules.scaled(sketch.dynamic_rank(step, o.rank, o.rank_delta, o.rank_tau), o.rank)
 
 
-def projection_step(o: OptimSection, step: int) -> int:
+def projection_step(o: LograSection, step: int) -> int:
   """The step that seeds A: ``step`` when refreshed every step, 0 when fixed."""
   return step if o.refresh else 0
 
 
-def projection_spec(o: OptimSection, step: int, name_fn=sketch.stacked_name,
+def projection_spec(o: LograSection, step: int, name_fn=sketch.stacked_name,
                     dtype=jnp.bfloat16) -> steps.ProjectionSpec:
   """How the LoGRA step draws A at ``step`` (ranks, kind, names; ``dtype`` where exact)."""
   return steps.ProjectionSpec(rank_rules(o, step), o.projection, name_fn, dtype)
 
 
-def projections_at(o: OptimSection, params, seed: int, step: int,
+def projections_at(o: LograSection, params, seed: int, step: int,
                    name_fn=sketch.stacked_name):
   """A for every sketched kernel at ``step``, with numpy (``projection.py``) on the host.
 
