@@ -26,7 +26,9 @@ from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, _causal_mask, init_cache, init_params
 from logra_jax.rl import blockwise
 from logra_jax.rl import losses as rl_losses
-from logra_jax.train import optimizers, steps
+from logra_jax.train import completion, optimizers, steps
+from logra_jax.train.steps import kl_probe
+from logra_jax.train.steps import losses as step_losses
 from logra_jax.train.config import OptimSection
 
 pytestmark = pytest.mark.usefixtures('x64')
@@ -245,7 +247,7 @@ def test_chunked_loss_gives_the_same_loss_metrics_and_sketch_with_tied_embedding
   params = {k: v for k, v in params.items() if k != 'lm_head'}
   out = {}
   for name, cfg in (('dense', mc), ('chunked', mc.replace(**MEMORY_SAFE))):
-    loss = steps._loss_fn(Transformer(cfg), loss_config(), P)  # pylint: disable=protected-access
+    loss = step_losses.loss_fn(Transformer(cfg), loss_config(), P)
     out[name] = jax.jit(sketch.sketch_value_and_grad(loss, has_aux=True))(params, a, batch, 1.0)
   (value, metrics), sketches = out['chunked']
   (value_d, metrics_d), sketches_d = out['dense']
@@ -291,10 +293,10 @@ def test_chunked_finite_difference_probe_equals_the_dense_one(step_setup):
   qs = []
   for cfg in (mc, mc.replace(**MEMORY_SAFE)):
     model = Transformer(cfg).clone(sketch_mode='linear')
-    out_fn = lambda p, model=model: steps.completion.forward(
+    out_fn = lambda p, model=model: completion.forward(
         model, sketch.sketch_variables(params, a, p), batch, P)
     # The FD probe at the step a budget of 1e-3 allows (the trainer's; float64 here).
-    probe = jax.jit(lambda pr, u, model=model: steps._kl_probe(  # pylint: disable=protected-access
+    probe = jax.jit(lambda pr, u, model=model: kl_probe.probe_kl(
         Transformer(cfg), out_fn, model, pr, u, 'fd', 1e-3, 1.0, batch['target_mask'])[1])
     qs.append(probe(probes, u))
   close(qs[1], qs[0])

@@ -23,6 +23,8 @@ from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl import losses as rl_losses
 from logra_jax.train import completion, methods, optimizers, steps
+from logra_jax.train.steps import kl_probe, micro_batches
+from logra_jax.train.steps import losses as step_losses
 from logra_jax.train import config as config_lib
 from logra_jax.train.config import OptimSection
 
@@ -90,7 +92,7 @@ def test_shared_forward_equals_the_row_by_row_forward(setup, attention, vocab_ch
   mc, params, batch = setup
   mc = mc.replace(attention=attention, attention_block=4, vocab_chunk=vocab_chunk)
   model = Transformer(mc)
-  want = steps.completion_logits(Transformer(tiny_config()), {'params': params}, batch, P)
+  want = step_losses.completion_logits(Transformer(tiny_config()), {'params': params}, batch, P)
   out = completion.forward(model, {'params': params}, batch, P, share)
   got = (completion._head_logits(mc, out.h_NxTxD, out.w)  # pylint: disable=protected-access
          if vocab_chunk else out)
@@ -115,14 +117,14 @@ def test_shared_jvp_equals_the_row_by_row_jvp(setup):
 
 
 def test_prompt_share_keeps_runs_inside_groups_micro_batches_and_devices():
-  assert steps.prompt_share(range(16), 4) == 4
-  assert steps.prompt_share(range(16), 4, divides=2) == 2  # 8 micro-batches of 2 rows
-  assert steps.prompt_share(range(16), 4, split=8) == 2  # 8 packed rows for 8 devices
-  assert steps.prompt_share(range(16), 1) == 1
-  assert steps.prompt_share(steps.kl_rows(16, 8), 4) == 2  # rows 0, 2 | 4, 6 | ...
-  assert steps.prompt_share(steps.kl_rows(16, 4), 4) == 1  # one row per prompt
-  assert steps.prompt_share(steps.kl_rows(16, 6), 4) == 1  # 0 2 | 5 | 8 10 | 13: uneven
-  assert steps.prompt_share(range(12), 6, divides=4) == 2  # runs may not straddle groups
+  assert micro_batches.prompt_share(range(16), 4) == 4
+  assert micro_batches.prompt_share(range(16), 4, divides=2) == 2  # 8 micro-batches of 2 rows
+  assert micro_batches.prompt_share(range(16), 4, split=8) == 2  # 8 packed rows for 8 devices
+  assert micro_batches.prompt_share(range(16), 1) == 1
+  assert micro_batches.prompt_share(kl_probe.kl_rows(16, 8), 4) == 2  # rows 0, 2 | 4, 6 | ...
+  assert micro_batches.prompt_share(kl_probe.kl_rows(16, 4), 4) == 1  # one row per prompt
+  assert micro_batches.prompt_share(kl_probe.kl_rows(16, 6), 4) == 1  # 0 2|5|8 10|13: uneven
+  assert micro_batches.prompt_share(range(12), 6, divides=4) == 2  # runs may not straddle groups
 
 
 def test_micro_batches_split_over_devices_keep_every_device_packing():
@@ -134,8 +136,8 @@ def test_micro_batches_split_over_devices_keep_every_device_packing():
   sc = steps.StepConfig(prompt_len=P, micro_batches=2, kl_sequences=8, kl_control=True,
                         kl_probe='jvp', alpha_max=3.0, sparse_mask=0.0, prompt_group=4)
   batch = {'tokens': np.zeros((16, P + T), np.int32)}
-  assert steps._mb_share(sc, batch, sh) == 2  # pylint: disable=protected-access
-  assert steps._mb_share(sc, batch, None) == 4  # pylint: disable=protected-access
+  assert micro_batches.mb_share(sc, batch, sh) == 2
+  assert micro_batches.mb_share(sc, batch, None) == 4
 
 
 def loss_config():

@@ -18,6 +18,7 @@ from logra_jax.rl import losses as rl_losses
 from logra_jax.sketch import update as upd
 from logra_jax.train import config as config_lib
 from logra_jax.train import methods, optimizers, steps
+from logra_jax.train.steps import rounding as step_rounding
 from logra_jax.train.config import OptimSection
 
 DRAWS = 2000
@@ -179,20 +180,21 @@ def test_config_key_param_rounding_is_validated_and_reaches_the_step():
     config_lib.from_config_dict(cfg)
   cfg.optim.param_rounding = 'nearest'
   sc = methods._step_config(config_lib.from_config_dict(cfg), 4)  # pylint: disable=protected-access
-  assert sc.param_rounding == 'nearest' and steps.rounding_key(sc, jax.random.key(0)) is None
+  assert sc.param_rounding == 'nearest'
+  assert step_rounding.rounding_key(sc, jax.random.key(0)) is None
   assert config_lib.CHOICES['optim.param_rounding'] == steps.PARAM_ROUNDINGS
   with pytest.raises(ValueError, match=r"param_rounding='up'.*optim\.param_rounding"):
-    steps.rounding_key(sc._replace(param_rounding='up'), jax.random.key(0))
+    step_rounding.rounding_key(sc._replace(param_rounding='up'), jax.random.key(0))
 
 
 def test_rounding_key_is_a_function_of_the_step_key_and_not_the_key_itself():
   sc = steps.StepConfig(4, 1, 1, True, 'jvp', 3.0, 0.0)
   k = jax.random.fold_in(jax.random.key(0), 5)  # the trainer's key of step 5
   data = lambda x: np.asarray(jax.random.key_data(x))
-  np.testing.assert_array_equal(data(steps.rounding_key(sc, k)),
-                                data(steps.rounding_key(sc, jax.random.fold_in(
+  np.testing.assert_array_equal(data(step_rounding.rounding_key(sc, k)),
+                                data(step_rounding.rounding_key(sc, jax.random.fold_in(
                                     jax.random.key(0), 5))))
-  assert not np.array_equal(data(steps.rounding_key(sc, k)), data(k))
+  assert not np.array_equal(data(step_rounding.rounding_key(sc, k)), data(k))
 
 
 @pytest.mark.parametrize('name', ['adam', 'lora'])

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from logra_jax.train import config as config_lib
-from logra_jax.train import loop, steps
+from logra_jax.train import loop
+from logra_jax.train.steps import kl_probe
 from logra_jax.train.fleet import FleetGenerator
 from trainer_runs import (assert_same_run, format_reward, make_config, quiet,  # noqa: F401
                           run_and_resume, trees_differ, xla_cache)
@@ -82,7 +83,7 @@ def test_kl_probe_takes_rows_of_different_prompts():
   def prompts_of(n_prompts, g, n):
     batch = {'row': jnp.arange(n_prompts * g), 'x_NxT': jnp.arange(2 * n_prompts * g)
              .reshape(-1, 2)}
-    sub = jax.jit(lambda b: steps._kl_subset(b, n))(batch)  # pylint: disable=protected-access
+    sub = jax.jit(lambda b: kl_probe.kl_subset(b, n))(batch)
     rows = np.asarray(sub['row'])
     np.testing.assert_array_equal(np.asarray(sub['x_NxT']), np.asarray(batch['x_NxT'])[rows])
     return rows.tolist(), set(rows // g)
