@@ -47,15 +47,16 @@ def _session_dir(tmp_path_factory, name: str) -> str:
 
 
 @pytest.fixture(scope='session', autouse=True)
-def warm_start_cache(tmp_path_factory):
-  """One session-wide warm-start cache (logra_jax/train/warm_start_cache.py): the runs that
-  warm-start the same model on the same batch (the tiny default, its ablations, notebook 03)
-  do the SFT steps once; subprocesses inherit it through the environment."""
-  from logra_jax.train import warm_start_cache as cache  # pylint: disable=g-import-not-at-top
+def warm_start_cache_dir(tmp_path_factory):
+  """One session-wide warm-start cache directory (config key warm_start.cache_dir;
+  logra_jax/train/warm_start_cache.py): the runs that warm-start the same model on the same
+  batch do the SFT steps once. `trainer_runs.make_config` sets it; a subprocess gets it as
+  `--config.warm_start.cache_dir=` this fixture's value."""
+  import trainer_runs  # pylint: disable=g-import-not-at-top
+  directory = _session_dir(tmp_path_factory, 'warm_start_cache')
   with pytest.MonkeyPatch.context() as mp:
-    if not os.environ.get(cache.ENV):
-      mp.setenv(cache.ENV, _session_dir(tmp_path_factory, 'warm_start_cache'))
-    yield os.environ[cache.ENV]
+    mp.setattr(trainer_runs, 'WARM_START_CACHE_DIR', directory)
+    yield directory
 
 
 @pytest.fixture(scope='session')

@@ -1,6 +1,7 @@
 """The warm-start cache (logra_jax/train/warm_start_cache.py): a hit is the computed warm start,
 bit for bit and placed alike, and every input of the warm start is in the key."""
 import dataclasses
+import os
 
 import jax
 import numpy as np
@@ -31,28 +32,47 @@ def setup():
   return cfg, task, model, params
 
 
+class _OtherKind:
+  """A device that prints as ``device`` but is of another kind."""
+
+  def __init__(self, device):
+    self.device = device
+    self.device_kind = device.device_kind + ' (another model)'
+
+  def __str__(self):
+    return str(self.device)
+
+
 def _equal(a, b) -> bool:
   return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
+def _cached(cfg, directory):
+  return dataclasses.replace(cfg, warm_start=dataclasses.replace(cfg.warm_start,
+                                                                 cache_dir=directory))
+
+
 def test_a_hit_is_the_computed_warm_start_bit_for_bit(setup, tmp_path, monkeypatch):
   cfg, task, model, params = setup
-  monkeypatch.setenv(cache.ENV, str(tmp_path))
+  cfg = _cached(cfg, str(tmp_path / 'cache'))
   lines = []
   computed = cache.warm_start(cfg, task, model, params, lines.append)
-  assert len(list(tmp_path.glob('*.npz'))) == 1 and 'loaded from' not in lines[-1], lines
+  assert len(list(tmp_path.glob('cache/*.npz'))) == 1 and 'loaded from' not in lines[-1], lines
   loaded = cache.warm_start(cfg, task, model, params, lines.append)
-  assert 'loaded from' in lines[-1] and lines[-1].startswith('supervised warm start:'), lines
+  assert lines[-1].startswith('supervised warm start:'), lines
+  assert f'loaded from warm_start.cache_dir={tmp_path}/cache' in lines[-1], lines
   # The final loss in the line is the computed run's, read back from the cache file.
   assert lines[-1].split('(final loss ')[1][:5] == lines[-2].split('(final loss ')[1][:5]
   assert not _equal(computed, params)  # the warm start moved the weights
   assert _equal(loaded, computed)
   assert all(a.dtype == b.dtype and a.sharding == b.sharding
              for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(computed)))
-  # Unset, the warm start runs (no file is read or written) and computes the same weights.
-  monkeypatch.delenv(cache.ENV)
-  assert _equal(cache.warm_start(cfg, task, model, params, lines.append), computed)
-  assert len(list(tmp_path.glob('*.npz'))) == 1 and 'loaded from' not in lines[-1], lines
+  # With cache_dir='', the warm start runs (no file is read or written): the same weights.
+  # The environment switch it replaced does nothing.
+  monkeypatch.setenv('LOGRA_WARM_START_CACHE', str(tmp_path / 'env'))
+  assert _equal(cache.warm_start(_cached(cfg, ''), task, model, params, lines.append), computed)
+  assert [p.name for p in tmp_path.iterdir()] == ['cache'], list(tmp_path.iterdir())
+  assert len(list(tmp_path.glob('cache/*.npz'))) == 1 and 'loaded from' not in lines[-1], lines
 
 
 def test_every_input_of_the_warm_start_is_in_the_key(setup, monkeypatch):
@@ -77,7 +97,19 @@ def test_every_input_of_the_warm_start_is_in_the_key(setup, monkeypatch):
   with monkeypatch.context() as mp:
     mp.setattr(cache, 'code_digest', lambda: 'other sources')
     changed['code'] = cache.cache_key(cfg, model, params, batch)
+  with monkeypatch.context() as mp:  # XLA_FLAGS change the compiled SFT program
+    mp.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') + ' --xla_cpu_enable_fast_math=true')
+    changed['XLA_FLAGS'] = cache.cache_key(cfg, model, params, batch)
+  with monkeypatch.context() as mp:  # another CPU: other instructions, other rounding
+    mp.setattr(cache, 'cpu_features', lambda: 'sse2')
+    changed['cpu'] = cache.cache_key(cfg, model, params, batch)
+  device = jax.devices()[0]
+  with monkeypatch.context() as mp:  # another accelerator of the same platform
+    mp.setattr(jax, 'devices', lambda *a: [_OtherKind(device)])
+    changed['device_kind'] = cache.cache_key(cfg, model, params, batch)
+  changed['cache_dir (not an input)'] = cache.cache_key(_cached(cfg, '/elsewhere'), model,
+                                                          params, batch)
   same = [name for name, k in changed.items() if k == key]
-  assert not same, f'the key ignores {same}'
+  assert same == ['cache_dir (not an input)'], f'the key ignores {same}'
   with jax.enable_x64(True):
     assert cache.cache_key(cfg, model, params, batch) != key  # x64 changes the SFT program

@@ -1,14 +1,14 @@
 """An opt-in on-disk cache of supervised warm starts (docs/warm_start_cache.md).
 
-With LOGRA_WARM_START_CACHE=DIR set, `warm_start` keeps each warm-started policy in
+With the config key warm_start.cache_dir=DIR, `warm_start` keeps each warm-started policy in
 DIR/<key>.npz, the key a SHA-256 of everything the warm start reads: the model config, the
 initial parameters (values, dtypes, shapes, shardings), the supervised batch, the warm-start
-steps, learning rate, batch size and seed, the devices, the x64 and matmul-precision
-settings, and the code (this package's sources; the JAX, Flax and optax versions). A later
-run with the same key loads the saved parameters (bit-identical to recomputing them, placed
-with the computed ones' partition specs) instead of repeating the SFT steps. Unset (the
-default), on more than one process, or for parameters that are not all NamedSharding arrays
-on one mesh, it is not used.
+steps, learning rate, batch size and seed, the devices and what they are (platform, device
+kind, the CPU's features), XLA_FLAGS, the x64 and matmul-precision settings, and the code (this
+package's sources; the JAX, jaxlib, Flax and optax versions). A later run with the same key
+loads the saved parameters (bit-identical to recomputing them, placed with the computed ones'
+partition specs) instead of repeating the SFT steps. With '' (the default), on more than one
+process, or for parameters that are not all NamedSharding arrays on one mesh, it is not used.
 """
 import dataclasses
 import functools
@@ -16,25 +16,29 @@ import glob
 import hashlib
 import json
 import os
+import platform
 import tempfile
 
 import flax
 import jax
+import jaxlib
 import numpy as np
 import optax
+from jax.extend import backend as jax_backend
 from jax.sharding import NamedSharding, PartitionSpec
 
 from logra_jax import data
 from logra_jax.train import tasks
 from logra_jax.train import warm_start as sft
 
-ENV = 'LOGRA_WARM_START_CACHE'
+KEY = 'warm_start.cache_dir'  # the config key that turns the cache on
 
 
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str:
   """SHA-256 of this package's Python sources and the versions of the libraries it runs on."""
-  h = hashlib.sha256(repr((jax.__version__, flax.__version__, optax.__version__)).encode())
+  versions = (jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__)
+  h = hashlib.sha256(repr(versions).encode())
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   for path in sorted(glob.glob(os.path.join(root, 'logra_jax', '**', '*.py'), recursive=True)):
     h.update(os.path.relpath(path, root).encode())
@@ -43,13 +47,33 @@ def code_digest() -> str:
   return h.hexdigest()
 
 
+def cpu_features() -> str:
+  """The host CPU's feature flags (what XLA's CPU code generation targets)."""
+  try:
+    with open('/proc/cpuinfo') as f:
+      for line in f:
+        name, _, value = line.partition(':')
+        if name.strip() in ('flags', 'Features'):  # x86, ARM
+          return ' '.join(sorted(value.split()))
+  except OSError:
+    pass
+  return f'{platform.machine()} {platform.processor()}'
+
+
+def device_description() -> tuple:
+  """What the warm start runs on: the backend, its version, every device's kind, the CPU."""
+  backend = jax_backend.get_backend()
+  return (jax.default_backend(), backend.platform_version,
+          [(str(d), d.device_kind) for d in jax.devices()], cpu_features())
+
+
 def cache_key(cfg, model, params, batch: dict) -> str:
   """SHA-256 over the warm start's inputs (a changed value gives another key)."""
   h = hashlib.sha256(code_digest().encode())
   w = cfg.warm_start
   for part in (repr(dataclasses.asdict(cfg.model)), repr(getattr(model, 'config', None)),
-               w.steps, w.learning_rate, w.batch_size, cfg.seed, jax.__version__,
-               jax.default_backend(), [str(d) for d in jax.devices()],
+               w.steps, w.learning_rate, w.batch_size, cfg.seed, device_description(),
+               os.environ.get('XLA_FLAGS', ''),
                jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision):
     h.update(repr(part).encode())
   leaves, treedef = jax.tree_util.tree_flatten(params)
@@ -107,8 +131,8 @@ def save(path: str, params, loss: float):
 
 
 def warm_start(cfg, task, model, params, log=print):
-  """`tasks.warm_start`, through the cache in $LOGRA_WARM_START_CACHE when it is set."""
-  directory = os.environ.get(ENV, '')
+  """`tasks.warm_start`, through the cache in warm_start.cache_dir when it is set."""
+  directory = cfg.warm_start.cache_dir
   if not directory or jax.process_count() > 1:
     return tasks.warm_start(cfg, task, model, params, log)
   w = cfg.warm_start
@@ -116,7 +140,7 @@ def warm_start(cfg, task, model, params, log=print):
   path = os.path.join(directory, cache_key(cfg, model, params, batch) + '.npz')
   hit = load(path, params)
   if hit is not None:
-    log(tasks.warm_start_line(w.steps, hit[1], f'; loaded from {ENV}={directory}'))
+    log(tasks.warm_start_line(w.steps, hit[1], f'; loaded from {KEY}={directory}'))
     return hit[0]
   out, loss = sft.warm_start(model, params, batch, w.steps, w.learning_rate, w.batch_size,
                              cfg.seed)
