@@ -19,7 +19,7 @@ from logra_jax.sketch import update as upd
 from logra_jax.train import config as config_lib
 from logra_jax.train import methods, optimizers, steps
 from logra_jax.train.steps import rounding as step_rounding
-from logra_jax.train.config import OptimSection
+from logra_jax.train.config import LograSection, OptimSection
 
 DRAWS = 2000
 
@@ -174,27 +174,50 @@ def test_other_narrow_dtypes_are_refused():
 
 def test_config_key_param_rounding_is_validated_and_reaches_the_step():
   cfg = config_lib.default_config()
-  assert cfg.optim.param_rounding == 'stochastic'
-  cfg.optim.param_rounding = 'floor'
-  with pytest.raises(ValueError, match=r"optim\.param_rounding='floor' must be one of"):
+  assert cfg.optim.logra.param_rounding == 'stochastic'
+  cfg.optim.logra.param_rounding = 'floor'
+  with pytest.raises(ValueError, match=r"optim\.logra\.param_rounding='floor' must be one of"):
     config_lib.from_config_dict(cfg)
-  cfg.optim.param_rounding = 'nearest'
+  cfg.optim.logra.param_rounding = 'nearest'
   sc = methods._step_config(config_lib.from_config_dict(cfg), 4)  # pylint: disable=protected-access
   assert sc.param_rounding == 'nearest'
   assert step_rounding.rounding_key(sc, jax.random.key(0)) is None
-  assert config_lib.CHOICES['optim.param_rounding'] == steps.PARAM_ROUNDINGS
-  with pytest.raises(ValueError, match=r"param_rounding='up'.*optim\.param_rounding"):
+  assert config_lib.CHOICES['optim.logra.param_rounding'] == steps.PARAM_ROUNDINGS
+  with pytest.raises(ValueError, match=r"param_rounding='up'.*optim\.logra\.param_rounding"):
     step_rounding.rounding_key(sc._replace(param_rounding='up'), jax.random.key(0))
 
 
-def test_rounding_key_is_a_function_of_the_step_key_and_not_the_key_itself():
+def between_neighbours(n=256, seed=8):
+  """f32 values between two bf16 neighbours, 1/4 .. 3/4 of the way from one to the next."""
+  rng = np.random.default_rng(seed)
+  w = np.asarray(jnp.asarray(rng.normal(0, 0.05, n), jnp.bfloat16).astype(jnp.float32))
+  frac = rng.uniform(0.25, 0.75, n)  # of the way to w's next bf16 away from zero
+  bits = w.view(np.uint32) + (frac * 0x10000).astype(np.uint32)
+  return bits.view(np.float32)
+
+
+def test_the_step_key_sets_the_rounding():
+  """Rounding a step's W + ΔW depends on the step's key through `rounding_key`: the same
+  step rounds the same way (a resumed step), another step another way. Each value here is
+  rounded up with probability p in [1/4, 3/4], so two keys round all 256 alike with
+  probability <= (p² + (1 − p)²)^256 <= 0.625^256 ~ 1e-52: a difference is certain unless the
+  key stops mattering (a constant rounding key, SR ignoring its key, or nearest rounding)."""
   sc = steps.StepConfig(4, 1, 1, True, 'jvp', 3.0, 0.0)
-  k = jax.random.fold_in(jax.random.key(0), 5)  # the trainer's key of step 5
-  data = lambda x: np.asarray(jax.random.key_data(x))
-  np.testing.assert_array_equal(data(step_rounding.rounding_key(sc, k)),
-                                data(step_rounding.rounding_key(sc, jax.random.fold_in(
-                                    jax.random.key(0), 5))))
-  assert not np.array_equal(data(step_rounding.rounding_key(sc, k)), data(k))
+  x = jnp.asarray(between_neighbours())
+  step_key = lambda t: jax.random.fold_in(jax.random.key(0), t)  # the trainer's key of step t
+  rounded = lambda t: np.asarray(upd.stochastic_round_bf16(
+      x, step_rounding.rounding_key(sc, step_key(t))).astype(jnp.float32))
+  np.testing.assert_array_equal(rounded(5), rounded(5))
+  assert not np.array_equal(rounded(5), rounded(6))
+  lo, hi = neighbours(np.asarray(x))
+  assert np.all(lo != hi) and np.all((rounded(5) == lo) | (rounded(5) == hi))
+  # The rounding key is not the step key itself (whose other use is the sparse mask): the
+  # bits drawn from the two differ.
+  data = lambda k: np.asarray(jax.random.key_data(k))
+  assert not np.array_equal(data(step_rounding.rounding_key(sc, step_key(5))),
+                            data(step_key(5)))
+  direct = np.asarray(upd.stochastic_round_bf16(x, step_key(5)).astype(jnp.float32))
+  assert not np.array_equal(direct, rounded(5))
 
 
 @pytest.mark.parametrize('name', ['adam', 'lora'])
@@ -208,33 +231,60 @@ def test_bf16_params_are_refused_for_dense_updates(name):
 
 
 
-def _tiny_bf16_step_jaxpr(rounding):
-  """The jaxpr of a LoGRA step on a tiny bf16-param model (traced, not compiled)."""
+def _tiny_bf16_step(rounding):
+  """A LoGRA step on a tiny bf16-param model from fixed inputs: key -> (params, metrics).
+
+  The relative step is the paper's (6e-5), below bf16's spacing (2^-8 .. 2^-7 relative), so
+  rounding to nearest leaves nearly every entry where it was and SR moves an entry with
+  probability |ΔW| / ulp."""
   mc = get_preset('tiny', vocab_size=16, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=2, num_kv_heads=1, max_position_embeddings=16,
                   dtype='float32', param_dtype='bfloat16')
-  opt = optimizers.logra_optimizer(OptimSection(learning_rate=1.0, update_ratio=6e-5), 10)
+  opt = optimizers.logra_optimizer(
+      OptimSection(logra=LograSection(learning_rate=1.0, update_ratio=6e-5)), 10)
   sc = steps.StepConfig(2, 1, 2, False, 'jvp', 3.0, 0.0, telemetry_every=0,
                         param_rounding=rounding)
   loss = rl_losses.LossConfig('reinforce_tis', (('cap', 2.0),))
-  step = steps.make_logra_step(Transformer(mc), loss, opt, sc, steps.ProjectionSpec(4))
-  params = jax.eval_shape(lambda: init_params(mc, jax.random.key(0)))
-  probes = jax.eval_shape(sketch.zero_probes, params, steps.draw_projections(
-      params, 0, 0, steps.ProjectionSpec(4)))
-  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  batch = dict(tokens=jax.ShapeDtypeStruct((4, 4), jnp.int32),
-               mask=jax.ShapeDtypeStruct((4, 4), jnp.bool_), targets=jax.ShapeDtypeStruct(
-                   (4, 2), jnp.int32), target_mask=f32(4, 2), behaviour_logp=f32(4, 2),
-               advantages=f32(4))
-  u32 = jax.ShapeDtypeStruct((), jnp.uint32)
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  return str(jax.make_jaxpr(step.jitted)(params, jax.eval_shape(opt.init, probes), batch, u32,
-                                         u32, f32(), key, jax.ShapeDtypeStruct((), jnp.bool_)))
+  proj = steps.ProjectionSpec(4)
+  step = steps.make_logra_step(Transformer(mc), loss, opt, sc, proj)
+  params = init_params(mc, jax.random.key(0))
+  probes = sketch.zero_probes(params, steps.draw_projections(params, 0, 0, proj))
+  tokens = np.random.default_rng(9).integers(1, 16, (4, 4)).astype(np.int32)
+  batch = dict(tokens=tokens, mask=np.ones((4, 4), bool), targets=tokens[:, 2:],
+               target_mask=np.ones((4, 2), np.float32),
+               behaviour_logp=np.full((4, 2), -np.log(16), np.float32),
+               advantages=np.array([1.0, -1.0, 0.5, -0.5], np.float32))
+  u32 = np.uint32(0)
+
+  def run(key):
+    copy = jax.tree.map(jnp.copy, params)  # the step donates its params
+    new, _, metrics = step(copy, opt.init(probes), batch, u32, u32, np.float32(1e-3), key,
+                           telemetry=False)
+    assert float(metrics['skipped']) == 0
+    return new
+  return run, params
+
+
+def _kernels(params):
+  """The layers' bf16 kernels, those LoGRA updates (lm_head is not sketched), as f32."""
+  flat = [(jax.tree_util.keystr(kp), x) for kp, x in jax.tree_util.tree_leaves_with_path(params)]
+  return [np.asarray(x.astype(jnp.float32)) for path, x in flat
+          if path.startswith("['layers']") and 'kernel' in path and x.dtype == jnp.bfloat16]
 
 
 def test_the_logra_step_rounds_bf16_params_with_its_key():
-  """The step's key reaches the apply: with 'stochastic' the traced step draws random bits
-  (this step has no other randomness: no sparse mask, no KL probe); with 'nearest' none.
-  The key is the trainer's fold_in(key(seed), t): a resumed step rounds the same way."""
-  assert 'random_bits' in _tiny_bf16_step_jaxpr('stochastic')
-  assert 'random_bits' not in _tiny_bf16_step_jaxpr('nearest')
+  """The step's key reaches the apply and its bits set the stored bf16 weights: the same key
+  gives the same weights (a resumed step), another key other weights; with 'nearest' the key
+  does not matter. (This step has no other randomness: no sparse mask, no KL probe.) Each of
+  the 7 kernels (2,048 to 4,096 entries) has tens to hundreds of entries moved (28 to 348
+  seen), each with probability |ΔW| / ulp, so two keys moving the same ones in a kernel is
+  beyond any chance. The key is the trainer's fold_in(key(seed), t)."""
+  run, params = _tiny_bf16_step('stochastic')
+  k5, k6 = (jax.random.fold_in(jax.random.key(0), t) for t in (5, 6))
+  a, again, b = (_kernels(run(k)) for k in (k5, k5, k6))
+  before = _kernels(params)
+  assert len(before) == 7 and all(np.array_equal(x, y) for x, y in zip(a, again))
+  assert all(not np.array_equal(x, y) for x, y in zip(a, before))  # SR moved every kernel
+  assert all(not np.array_equal(x, y) for x, y in zip(a, b))  # each by the key's bits
+  run, _ = _tiny_bf16_step('nearest')
+  assert all(np.array_equal(x, y) for x, y in zip(_kernels(run(k5)), _kernels(run(k6))))
