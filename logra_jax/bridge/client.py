@@ -5,11 +5,22 @@ concurrently); an update is broadcast to every server concurrently on vLLM's lif
 pause(keep) → start → update(update_info) → finish(version) → resume. A server that answers
 409 (its weights are not the update's base) gets full weights instead; any other refusal is
 finished without a version (the server keeps its previous weights) and raised.
+
+A call that fails in transit is retried only when a repeat is harmless: the connection was
+refused (nothing was sent), or the call is idempotent (`IDEMPOTENT`: reads, pause, resume,
+completions, and a finish that names its version: both servers answer a repeat of a commit
+that landed with 200). A start or an update that may have reached the server is not repeated:
+it raises. Completions that come back aborted (empty, `finish_reason` abort: another client
+paused the server with mode abort) are requested again, at most `ABORT_RETRIES` times, and
+counted; they never reach the trainer.
 """
 import concurrent.futures
+import http.client
 import json
 import os
+import socket
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +29,10 @@ from typing import Callable, Optional, Sequence
 from logra_jax.rl.types import GenerationRequest, GenerationResult
 
 RETRIES = 4
+ABORT_RETRIES = 3
 SHM = '/dev/shm'
+SHM_HEADROOM = 64 << 20  # left free in /dev/shm (Docker's default size is all of 64 MiB)
+IDEMPOTENT = ('/pause', '/resume', '/v1/completions')  # POSTs a repeat of which is harmless
 
 
 class BridgeError(RuntimeError):
@@ -38,6 +52,7 @@ class ServerClient:
   def call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
     headers = {'Authorization': f'Bearer {self.token}', 'Content-Type': 'application/json'}
+    repeatable = _idempotent(method, path, body)
     for attempt in range(RETRIES):
       req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
       try:
@@ -45,7 +60,11 @@ class ServerClient:
           return json.loads(resp.read() or b'{}')
       except urllib.error.HTTPError as e:
         raise BridgeError(self.url, e.code, _message(e)) from None
-      except (urllib.error.URLError, ConnectionError) as e:
+      except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+        if not (repeatable or _unsent(e)):
+          raise BridgeError(self.url, 0, f'{method} {path} failed in transit and is not '
+                                         f'repeated (it may have reached the server): '
+                                         f'{e}') from None
         if attempt == RETRIES - 1:
           raise BridgeError(self.url, 0, f'unreachable after {RETRIES} tries: {e}') from None
         time.sleep(0.2 * 2**attempt)
@@ -61,6 +80,19 @@ class ServerClient:
         if time.monotonic() > deadline:
           raise BridgeError(self.url, 0, f'not healthy after {timeout_s:.0f} s') from None
         time.sleep(0.25)
+
+
+def _idempotent(method: str, path: str, body: Optional[dict]) -> bool:
+  path = path.split('?', 1)[0]
+  if method == 'GET' or path in IDEMPOTENT:
+    return True
+  return path == '/finish_weight_update' and bool(body) and 'weight_version' in body
+
+
+def _unsent(e: Exception) -> bool:
+  """The request never left: the connection was refused or the host did not resolve."""
+  reason = getattr(e, 'reason', e)
+  return isinstance(reason, (ConnectionRefusedError, socket.gaierror))
 
 
 def _message(e: urllib.error.HTTPError) -> str:
@@ -108,6 +140,8 @@ class Fleet:
       raise ValueError('a fleet needs at least one server URL')
     self.servers = [ServerClient(u, token) for u in urls]
     self.model, self.version = model, 0
+    self.aborts_retried = 0  # completions requested again because they came back aborted
+    self._count = threading.Lock()
     self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency * len(urls))
 
   @property
@@ -115,10 +149,23 @@ class Fleet:
     return self.version
 
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-    futures = [self._pool.submit(self.servers[i % len(self.servers)].call, 'POST',
-                                 '/v1/completions', completion_body(r, self.model))
+    futures = [self._pool.submit(self._complete, self.servers[i % len(self.servers)], r)
                for i, r in enumerate(requests)]
-    return [res for r, f in zip(requests, futures) for res in parse_choices(r, f.result())]
+    return [res for f in futures for res in f.result()]
+
+  def _complete(self, server: ServerClient, request: GenerationRequest) -> list:
+    """One request's choices, none aborted (requested again; raises after ABORT_RETRIES)."""
+    for attempt in range(ABORT_RETRIES + 1):
+      results = parse_choices(request, server.call('POST', '/v1/completions',
+                                                   completion_body(request, self.model)))
+      if not any(r.finish_reason == 'abort' for r in results):
+        return results
+      if attempt < ABORT_RETRIES:
+        with self._count:
+          self.aborts_retried += 1
+        time.sleep(0.1 * 2**attempt)
+    raise BridgeError(server.url, 0, f'completions of request {request.request_id} came '
+                                     f'back aborted {ABORT_RETRIES + 1} times')
 
   def push(self, blob: bytes, version: int, full_blob: Callable[[], bytes]) -> dict:
     """Broadcasts one update; servers answering 409 get ``full_blob()``. Returns counts."""
@@ -129,8 +176,10 @@ class Fleet:
       with _BlobFile(full_blob()) as path:
         list(self._pool.map(lambda s: _push_one(s, path, version, strict=True), stale))
     self.version = version
+    with self._count:
+      aborts, self.aborts_retried = self.aborts_retried, 0
     return {'sync_servers': len(self.servers), 'sync_full_fallbacks': len(stale),
-            'sync_bytes': len(blob)}
+            'sync_bytes': len(blob), 'fleet_aborts_retried': aborts}
 
   def close(self):
     self._pool.shutdown(wait=False)
@@ -154,19 +203,36 @@ def _push_one(server: ServerClient, path: str, version: int, strict: bool = Fals
     server.call('POST', '/resume', {})
 
 
+def blob_dir(size: int) -> str:
+  """/dev/shm when it exists with ``size`` + `SHM_HEADROOM` bytes free, else the temp dir."""
+  try:
+    st = os.statvfs(SHM)
+  except OSError:
+    return tempfile.gettempdir()
+  return SHM if st.f_bavail * st.f_frsize >= size + SHM_HEADROOM else tempfile.gettempdir()
+
+
 class _BlobFile:
-  """The blob in a shared-memory file (the temp dir where there is no /dev/shm), removed after."""
+  """The blob in a shared-memory file (`blob_dir`; the temp dir when a write to /dev/shm fails),
+  removed after."""
 
   def __init__(self, blob: bytes):
     self.blob = blob
 
   def __enter__(self) -> str:
-    directory = SHM if os.path.isdir(SHM) else tempfile.gettempdir()
-    fd, self.path = tempfile.mkstemp(prefix='logra-update-', suffix='.safetensors',
-                                     dir=directory)
-    with os.fdopen(fd, 'wb') as f:
-      f.write(self.blob)
-    return self.path
+    first = blob_dir(len(self.blob))
+    for directory in dict.fromkeys([first, tempfile.gettempdir()]):
+      fd, self.path = tempfile.mkstemp(prefix='logra-update-', suffix='.safetensors',
+                                       dir=directory)
+      try:
+        with os.fdopen(fd, 'wb') as f:
+          f.write(self.blob)
+        return self.path
+      except OSError:  # ENOSPC: the tmpfs filled since statvfs
+        os.unlink(self.path)
+        if directory == tempfile.gettempdir():
+          raise
+    raise AssertionError('unreachable')
 
   def __exit__(self, *exc):
     os.unlink(self.path)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from logra_jax.bridge import device_apply, wire
+from logra_jax.bridge import admission, device_apply, wire
 from logra_jax.models.config import ModelConfig
 from logra_jax.rl.types import GenerationRequest, GenerationResult
 from logra_jax.sketch import projection
@@ -182,12 +182,14 @@ class JaxEngine:
       try:
         start = time.perf_counter()
         upd = wire.parse(blob, self.spec, self._version)
+        admission.check_versions(upd.kind, upd.base_version, upd.new_version,
+                                 upd.tensors or upd.factors, self.spec, self._version)
         if session.new_version not in (None, upd.new_version):
           raise wire.UpdateError(400, f'new_version {upd.new_version} differs from this '
                                       f"session's {session.new_version}")
         self.timings = {'kind': upd.kind, 'parse_s': time.perf_counter() - start}
         new = self._stage(session, upd)
-      except wire.UpdateError as e:
+      except (wire.UpdateError, admission.Refused) as e:
         session.failed = str(e)
         raise EngineError(e.status, str(e)) from None
       except BaseException:
@@ -231,6 +233,8 @@ class JaxEngine:
       with self._cond:
         session, self._session = self._session, None
       if session is None:
+        if weight_version is not None and str(weight_version) == self._version:
+          return self._version  # a repeated finish of a commit that landed: idempotent
         raise EngineError(400, 'no weight update in progress')
       if weight_version is None:
         return self._version

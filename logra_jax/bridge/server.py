@@ -7,44 +7,38 @@ Routes (every one but /health needs ``Authorization: Bearer <token>``):
                          trainer uses); every choice carries its `weight_version`
   POST /pause?mode=abort|wait|keep, /resume
   POST /init_weight_transfer_engine {"init_info"}, /start_weight_update,
-       /update_weights {"update_info": {"path"} | {"url"}}, /finish_weight_update
-       {"weight_version"?}
-Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 401 no/bad token, 413 too large, 409 stale base,
-400 anything malformed. Binds 127.0.0.1 unless told otherwise.
+       /update_weights {"update_info": {"path"} | {"url"}} (checked by `admission`),
+       /finish_weight_update {"weight_version"?}
+Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 401 no/bad token,
+413 too large, 409 stale base, 400 anything malformed. Binds 127.0.0.1 unless told otherwise.
 """
 import hmac
 import json
-import os
-import tempfile
 import threading
 import time
 import urllib.parse
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from logra_jax.bridge import admission
 from logra_jax.bridge.engine import EngineError, JaxEngine
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 
 MAX_JSON_BYTES = 4 << 20
 
 
-def default_update_dirs() -> tuple:
-  """Where `update_info.path` files may live: shared memory and the temp dir."""
-  return tuple(d for d in ('/dev/shm', tempfile.gettempdir()) if os.path.isdir(d))
-
-
 class BridgeServer(ThreadingHTTPServer):
   daemon_threads = True
 
   def __init__(self, engine: JaxEngine, token: str, host: str = '127.0.0.1', port: int = 0,
-               model_name: str = 'logra', max_update_bytes: int = 8 << 30,
-               update_dirs: tuple = (), tokenizer=None):
+               model_name: str = 'logra', max_update_bytes: int = admission.DEFAULT_MAX_BYTES,
+               update_dirs: tuple = (), update_origins: tuple = (), tokenizer=None):
     if not token:
       raise ValueError('the bridge server needs a token (LOGRA_BRIDGE_TOKEN or --token)')
     super().__init__((host, port), _Handler)
     self.engine, self.token, self.model_name = engine, token, model_name
     self.max_update_bytes, self.tokenizer = max_update_bytes, tokenizer
-    self.update_dirs = tuple(os.path.realpath(d) for d in (update_dirs or default_update_dirs()))
+    self.update_dirs = admission.update_dirs(update_dirs)
+    self.update_origins = admission.update_origins(update_origins)
 
   @property
   def url(self) -> str:
@@ -120,37 +114,6 @@ def completion_response(results, model_name, want_logprobs, tokenizer=None) -> d
                     'completion_tokens': sum(len(c['token_ids']) for c in choices),
                     'total_tokens': sum(len(c['prompt_token_ids']) + len(c['token_ids'])
                                         for c in choices)}}
-
-
-# --- update blobs ---------------------------------------------------------------------------
-
-
-def read_update_blob(info, max_bytes: int, update_dirs: tuple, token: str) -> bytes:
-  """The blob named by ``update_info``: a local file in ``update_dirs`` or an http(s) URL."""
-  if not isinstance(info, dict) or len(info) != 1 or not ({'path', 'url'} & set(info)):
-    raise EngineError(400, 'update_info must be {"path": FILE} or {"url": URL}')
-  if 'path' in info:
-    path = os.path.realpath(str(info['path']))
-    if not any(os.path.commonpath([path, d]) == d for d in update_dirs):
-      raise EngineError(400, f'update_info.path must lie in {list(update_dirs)}')
-    if not os.path.isfile(path):
-      raise EngineError(400, f'update_info.path {path!r} is not a file')
-    if os.path.getsize(path) > max_bytes:
-      raise EngineError(413, f'update of {os.path.getsize(path)} bytes exceeds {max_bytes}')
-    with open(path, 'rb') as f:
-      return f.read()
-  url = str(info['url'])
-  if urllib.parse.urlparse(url).scheme not in ('http', 'https'):
-    raise EngineError(400, 'update_info.url must be http(s)')
-  req = urllib.request.Request(url, headers={'Authorization': f'Bearer {token}'})
-  try:
-    with urllib.request.urlopen(req, timeout=60) as resp:
-      blob = resp.read(max_bytes + 1)
-  except OSError as e:
-    raise EngineError(400, f'cannot fetch update_info.url: {e}') from None
-  if len(blob) > max_bytes:
-    raise EngineError(413, f'update exceeds {max_bytes} bytes')
-  return blob
 
 
 # --- the handler ----------------------------------------------------------------------------
@@ -241,8 +204,12 @@ def _completions(srv, body, query):
 def _update(srv, body, query):
   del query
   start = time.perf_counter()
-  blob = read_update_blob(body.get('update_info'), srv.max_update_bytes, srv.update_dirs,
-                          srv.token)
+  try:
+    blob = admission.read_update(body.get('update_info'), dirs=srv.update_dirs,
+                                 origins=srv.update_origins, token=srv.token,
+                                 max_bytes=srv.max_update_bytes)
+  except admission.Refused as e:
+    raise EngineError(e.status, str(e)) from None
   read_s = time.perf_counter() - start
   srv.engine.update(blob)
   srv.engine.timings['read_s'] = read_s

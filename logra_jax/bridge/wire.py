@@ -1,8 +1,9 @@
 """The update payload `logra-update/1`: one safetensors blob, HF names and layouts (docs/bridge.md).
 
-numpy and safetensors only, and no other module of ours, so that a generator in another
-environment (vLLM's) loads this file by path and passes `logra_jax/sketch/projection.py`, loaded
-the same way, as ``projection``.
+numpy and safetensors only, and no other module of ours but `quant.py` beside it (how U
+travels: bf16, fp8-e4m3, int4), so that a generator in another environment (vLLM's) loads this
+file by path (it then loads `quant.py` by path too) and passes `logra_jax/sketch/projection.py`,
+loaded the same way, as ``projection``.
 
     full:     <name>            the new tensor (HF layout), float32 or float16
     lowrank:  <name>.U          (d_out, r): W ← W + U @ A, A = sample_projection(seed, step, name)
@@ -18,7 +19,9 @@ A receiver that forms U @ A itself (the JAX engine, on device) calls `parse`, re
 A's, passes them to `check_projections` and checks W + U @ A finite before it commits.
 """
 import dataclasses
+import importlib.util
 import json
+import os
 import re
 from typing import Mapping, Optional
 
@@ -26,9 +29,17 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+if __package__:  # imported as logra_jax.bridge.wire
+  from logra_jax.bridge import quant  # pylint: disable=g-import-not-at-top
+else:  # loaded by path (vLLM's environment): the sibling file, by path too
+  _spec = importlib.util.spec_from_file_location(
+      'logra_quant', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'quant.py'))
+  quant = importlib.util.module_from_spec(_spec)
+  _spec.loader.exec_module(quant)
+
 FORMAT = 'logra-update/1'
 KINDS = ('full', 'lowrank')
-U_DTYPES = ('fp32', 'bf16', 'fp8-e4m3', 'int4')
+U_DTYPES, quantize_u, dequantize_u = quant.U_DTYPES, quant.quantize_u, quant.dequantize_u
 FUSED = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_proj',
          'gate_proj': 'gate_up_proj', 'up_proj': 'gate_up_proj'}
 _LAYER = re.compile(r'^(model\.layers\.\d+\.(?:self_attn|mlp)\.)(\w+)\.(weight|bias)$')
@@ -68,75 +79,6 @@ class Update:
   seed: int = 0
   step: int = 0
   projection: str = ''
-
-
-# --- low-precision U ------------------------------------------------------------------------
-
-
-def _bf16_bits(x):
-  """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-  bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-  rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-  return (rounded >> 16).astype(np.uint16)
-
-
-def _e4m3_table():
-  """The 126 finite non-negative float8 e4m3fn values (bits 0 … 0x7E), ascending."""
-  bits = np.arange(0x7F)
-  exp, man = bits >> 3, bits & 7
-  return np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0**(exp - 7)).astype(np.float32)
-
-
-_E4M3 = _e4m3_table()
-
-
-def _to_e4m3(x):
-  """float32 in [-448, 448] -> e4m3fn bytes (nearest value; ties to the lower magnitude)."""
-  mag = np.abs(x)
-  hi = np.clip(np.searchsorted(_E4M3, mag), 1, len(_E4M3) - 1)
-  lo = hi - 1
-  idx = np.where(mag - _E4M3[lo] <= _E4M3[hi] - mag, lo, hi).astype(np.uint8)
-  return idx | np.where(x < 0, 0x80, 0).astype(np.uint8)
-
-
-def _row_scales(u, top):
-  peak = np.max(np.abs(u), axis=1)
-  return np.where(peak > 0, peak / top, 1.0).astype(np.float32)
-
-
-def quantize_u(u, u_dtype: str) -> dict:
-  """{'': stored U, '.scale': per-row scales if any} for ``<name>.U``."""
-  u = np.asarray(u, np.float32)
-  if u_dtype == 'fp32':
-    return {'': u}
-  if u_dtype == 'bf16':
-    return {'': _bf16_bits(u)}
-  if u_dtype == 'fp8-e4m3':
-    scale = _row_scales(u, 448.0)
-    return {'': _to_e4m3(u / scale[:, None]), '.scale': scale}
-  if u_dtype == 'int4':
-    scale = _row_scales(u, 7.0)
-    q = (np.clip(np.rint(u / scale[:, None]), -7, 7).astype(np.int8) + 8).astype(np.uint8)
-    if q.shape[1] % 2:
-      q = np.pad(q, ((0, 0), (0, 1)), constant_values=8)
-    return {'': q[:, 0::2] | (q[:, 1::2] << 4), '.scale': scale}
-  raise ValueError(f'u_dtype must be one of {U_DTYPES}, got {u_dtype!r}')
-
-
-def dequantize_u(stored, scale, u_dtype: str, rank: Optional[int] = None):
-  """Inverse of `quantize_u` (``rank`` = r for int4, whose rows are packed two per byte)."""
-  if u_dtype == 'fp32':
-    return np.asarray(stored, np.float32)
-  if u_dtype == 'bf16':
-    return (stored.astype(np.uint32) << 16).view(np.float32)
-  if u_dtype == 'fp8-e4m3':
-    mag = _E4M3[np.minimum(stored & 0x7F, len(_E4M3) - 1)]
-    return np.where(stored & 0x80, -mag, mag) * scale[:, None]
-  q = np.stack([stored & 0xF, stored >> 4], axis=-1).reshape(stored.shape[0], -1)
-  return (q[:, :rank].astype(np.float32) - 8) * scale[:, None]
-
-
-_STORED_DTYPE = {'fp32': np.float32, 'bf16': np.uint16, 'fp8-e4m3': np.uint8, 'int4': np.uint8}
 
 
 # --- encoding -------------------------------------------------------------------------------
@@ -179,7 +121,7 @@ def encode_lowrank(factors: Mapping[str, np.ndarray], d_in: Mapping[str, int], *
                        f'(model.layers.N.self_attn|mlp.X.weight), got {name!r}')
     a = projection.sample_projection(int(seed), int(step), name, u.shape[1], d_in[name], kind)
     sums[name], ranks[name] = projection.projection_checksum(a), int(u.shape[1])
-    for suffix, value in quantize_u(u, u_dtype).items():
+    for suffix, value in quant.quantize_u(u, u_dtype).items():
       tensors[f'{name}.U{suffix}'] = np.ascontiguousarray(value)
     if send_a:
       tensors[f'{name}.A'] = np.ascontiguousarray(a, np.float32)
@@ -305,9 +247,9 @@ def _lowrank_factor(name, part, shape, u_dtype, checksum, rank):
     _refuse(f'{name}: rank {rank!r} (metadata ranks) must be an integer in [1, {d_in}]')
   stored, scale = part['U'], part.get('U.scale')
   cols = (rank + 1) // 2 if u_dtype == 'int4' else rank
-  if stored.dtype != _STORED_DTYPE[u_dtype] or stored.shape != (d_out, cols):
+  if stored.dtype != quant.STORED_DTYPE[u_dtype] or stored.shape != (d_out, cols):
     _refuse(f'{name}.U has shape {tuple(stored.shape)} and dtype {stored.dtype}; expected '
-            f'({d_out}, {cols}) of {np.dtype(_STORED_DTYPE[u_dtype])} for rank {rank}, '
+            f'({d_out}, {cols}) of {np.dtype(quant.STORED_DTYPE[u_dtype])} for rank {rank}, '
             f'u_dtype {u_dtype}')
   needs_scale = u_dtype in ('fp8-e4m3', 'int4')
   if needs_scale != (scale is not None) or (needs_scale and (
@@ -315,7 +257,9 @@ def _lowrank_factor(name, part, shape, u_dtype, checksum, rank):
     _refuse(f'{name}.U.scale must be float32 ({d_out},) exactly when u_dtype is fp8-e4m3 or int4')
   if needs_scale:
     _finite(f'{name}.U.scale', scale)
-  u = np.asarray(dequantize_u(stored, scale, u_dtype, rank), np.float32)
+  if u_dtype == 'fp8-e4m3' and np.any((stored & 0x7F) == quant.E4M3_NAN):
+    _refuse(f'{name}.U holds the fp8-e4m3 NaN code 0x7f/0xff')
+  u = np.asarray(quant.dequantize_u(stored, scale, u_dtype, rank), np.float32)
   _finite(f'{name}.U', u)
   a = part.get('A')
   if a is not None:
