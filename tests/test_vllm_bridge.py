@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -49,6 +50,9 @@ def hf_dir(tmp_path_factory):
   return out
 
 
+BLOB_PORT = _free_port()  # the one origin update_info.url may name (test_update_from_url)
+
+
 @pytest.fixture(scope='module')
 def server(hf_dir, tmp_path_factory):
   """(vLLM url, {HF name: fp32 weights}, JAX engine url): one vLLM server (killed by its
@@ -56,10 +60,12 @@ def server(hf_dir, tmp_path_factory):
   work = tmp_path_factory.mktemp('vllm')
   port = _free_port()
   log = open(work / 'server.log', 'wb')
+  env = {k: v for k, v in os.environ.items() if k != 'VLLM_SERVER_DEV_MODE'}
   proc = subprocess.Popen(
       [os.path.join(REPO, 'third_party', 'vllm', 'serve'), f'--model={hf_dir}',
        '--host=127.0.0.1', f'--port={port}', f'--token={TOKEN}',
-       f'--max-update-bytes={MAX_BYTES}', f'--workdir={work}'],
+       f'--max-update-bytes={MAX_BYTES}', f'--workdir={work}',
+       f'--update-origins=http://127.0.0.1:{BLOB_PORT}'], env=env,
       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
   url = f'http://127.0.0.1:{port}'
   jax = None
@@ -152,6 +158,25 @@ def _lowrank(weights, names, base, seed=7, step=3, rank=4, sign=1.0, **kw):
   return wire.encode_lowrank(factors, {n: weights[n].shape[1] for n in names}, seed=seed,
                              step=step, kind='rademacher', base_version=base,
                              new_version=int(base) + 1, projection=projection, **kw)
+
+
+def _advance(url, weights, to):
+  """Moves a server to version ``to`` with weights unchanged: a low-rank update with U = 0
+  (W + 0 @ A is W, bit for bit)."""
+  base = _version(url)
+  names = _projection_names(weights, [0])
+  zero = {n: np.zeros((weights[n].shape[0], 1), np.float32) for n in names}
+  blob = wire.encode_lowrank(zero, {n: weights[n].shape[1] for n in names}, seed=0, step=0,
+                             kind='rademacher', base_version=base, new_version=to,
+                             projection=projection)
+  fd, path = tempfile.mkstemp(prefix='logra-zero-', suffix='.safetensors')
+  with os.fdopen(fd, 'wb') as f:
+    f.write(blob)
+  try:
+    status, out = _send(url, {'path': path}, version=str(to))
+  finally:
+    os.unlink(path)
+  assert status == 200 and _version(url) == str(to), out
 
 
 def _write(tmp_path, blob, name='update.safetensors'):
@@ -279,9 +304,17 @@ def test_refusal_rolls_back_the_whole_session(server, tmp_path):
 
 
 class _Blob(http.server.BaseHTTPRequestHandler):
-  blob = b''
+  """The blob at /update; /redirect answers 302 to ``location``; every Authorization seen."""
+  blob, location, seen = b'', '', []
 
   def do_GET(self):  # pylint: disable=invalid-name
+    type(self).seen.append(self.headers.get('Authorization'))
+    if self.path == '/redirect':
+      self.send_response(302)
+      self.send_header('Location', self.location)
+      self.send_header('Content-Length', '0')
+      self.end_headers()
+      return
     self.send_response(200)
     self.send_header('Content-Length', str(len(self.blob)))
     self.end_headers()
@@ -292,20 +325,34 @@ class _Blob(http.server.BaseHTTPRequestHandler):
 
 
 def test_update_from_url(server):
-  """update_info {"url"}: the blob the trainer serves over HTTP, then undone the same way."""
+  """update_info {"url"} on the allowed origin: the blob the trainer serves over HTTP, then
+  undone the same way. A redirect to another local port is refused and that port never hears
+  from the server (no token leaves); another origin is refused before any connection."""
   url, weights, _ = server
   before, version = _greedy(url), _version(url)
   names = _projection_names(weights, [3])
-  httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0), _Blob)
-  threading.Thread(target=httpd.serve_forever, daemon=True).start()
-  blob_url = f'http://127.0.0.1:{httpd.server_address[1]}/update'
+  allowed = http.server.ThreadingHTTPServer(('127.0.0.1', BLOB_PORT), _Blob)
+  other_handler = type('Other', (_Blob,), {'seen': []})
+  other = http.server.ThreadingHTTPServer(('127.0.0.1', 0), other_handler)
+  for httpd in (allowed, other):
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+  other_url = f'http://127.0.0.1:{other.server_address[1]}'
+  _Blob.location, _Blob.seen = other_url + '/update', []
   try:
+    other_handler.blob = _lowrank(weights, names, version)
+    for info in ({'url': f'http://127.0.0.1:{BLOB_PORT}/redirect'}, {'url': other_url + '/update'}):
+      status, out = _send(url, info)
+      assert status == 400 and str(other.server_address[1]) not in out['error']['message'], out
+    assert other_handler.seen == [] and _Blob.seen == [f'Bearer {TOKEN}']
     for sign, base in ((1.0, version), (-1.0, str(int(version) + 1))):
       _Blob.blob = _lowrank(weights, names, base, sign=sign)
-      status, out = _send(url, {'url': blob_url}, version=str(int(base) + 1))
+      status, out = _send(url, {'url': f'http://127.0.0.1:{BLOB_PORT}/update'},
+                          version=str(int(base) + 1))
       assert status == 200, out
   finally:
-    httpd.shutdown()
+    for httpd in (allowed, other):
+      httpd.shutdown()
+      httpd.server_close()
   assert _version(url) == str(int(version) + 2)
   after = _greedy(url)
   assert after[0] == before[0]
@@ -328,6 +375,40 @@ def test_every_route_but_health_needs_the_token(server):
   assert _req(url, '/start_weight_update')[0] == 200
   assert _req(url, '/finish_weight_update', {})[0] == 200
   assert _req(url, '/resume')[0] == 200
+
+
+def test_routes_off_the_allow_list_are_refused(server):
+  """vLLM's dev routes (no VLLM_SERVER_DEV_MODE), and every route the trainer does not use,
+  are 404; /collective_rpc answers only the read-only logra methods (403 otherwise)."""
+  url, _, _ = server
+  for method, path in (('POST', '/sleep'), ('POST', '/wake_up'), ('POST', '/reset_prefix_cache'),
+                       ('GET', '/server_info'), ('POST', '/abort_requests'),
+                       ('POST', '/v1/chat/completions'), ('POST', '/tokenize'),
+                       ('POST', '/start_draft_weight_update'), ('POST', '/weight_checker'),
+                       ('POST', '/shutdown_weight_transfer_engine'), ('GET', '/metrics')):
+    assert _req(url, path, {} if method == 'POST' else None, method=method)[0] == 404, path
+  for rpc in ('logra_commit', 'reload_weights', 'load_model'):
+    assert _req(url, '/collective_rpc', {'method': rpc})[0] == 403, rpc
+  status, out = _req(url, '/collective_rpc', {'method': 'logra_status'})
+  assert status == 200 and out['results'][0]['version'] == _version(url), out
+  assert _req(url, '/is_paused', method='GET') == (200, {'is_paused': False})
+
+
+def test_partial_full_and_backward_versions_are_refused_with_the_same_outputs(server, tmp_path):
+  url, weights, _ = server
+  version = int(_version(url)) + 2
+  _advance(url, weights, version)
+  before = _greedy(url)
+  layer0 = {n: weights[n] for n in _projection_names(weights, [0])}
+  for what, blob, expected in (
+      ('partial full for another base', wire.encode_full(layer0, version + 5, version + 6), 409),
+      ('backward version', wire.encode_full(layer0, version, version - 1), 400)):
+    status, out = _send(url, {'path': _write(tmp_path, blob, 'x')}, version=str(version + 6))
+    assert status == expected, (what, out)
+    assert _version(url) == str(version), what
+    after = _greedy(url)
+    assert after[0] == before[0], what
+    np.testing.assert_array_equal(after[1], before[1], err_msg=what)
 
 
 def _completion(url, max_tokens=4):
@@ -395,6 +476,11 @@ def test_sync_bench_end_to_end_on_vllm(server, monkeypatch):
                                   apply_s=lambda: sync_bench._vllm_status(url)['last_apply_s'])
   assert timed['lowrank_bytes'] < 0.1 * timed['full_bytes'], timed  # 4.7% at rank 32
   assert timed['full_apply_s'] > 0 and timed['lowrank_apply_s'] > 0, timed
+  # One version on both servers: reset's partial full blob is taken only at the served base.
+  top = max(int(_version(url)), int(_version(jax_url)))
+  for where in (url, jax_url):
+    if int(_version(where)) < top:
+      _advance(where, weights, top)
   sync_bench.reset([url, jax_url], layer0)
   drift = sync_bench.measure_drift(
       [url, jax_url], {'vllm': lambda trainer: sync_bench.vllm_drift(url, trainer)}, layer0,

@@ -20,8 +20,12 @@ def parse(argv):
   p.add_argument('--port', type=int, default=8000)
   p.add_argument('--token', default=os.environ.get('LOGRA_BRIDGE_TOKEN', ''),
                  help='bearer token for every route but /health (default $LOGRA_BRIDGE_TOKEN)')
-  p.add_argument('--max-update-bytes', type=int, default=4 << 30,
-                 help='larger update blobs are refused with 413')
+  p.add_argument('--max-update-bytes', type=int, default=None,
+                 help='larger update blobs are refused with 413 (default: 8 GiB, the limit '
+                 'of logra_jax/bridge/admission.py)')
+  p.add_argument('--update-origins', default=os.environ.get('LOGRA_UPDATE_ORIGINS', ''),
+                 help='comma-separated http(s)://host:port that update_info.url may name (the '
+                 "trainer's blob server); empty: URLs are refused, only paths are read")
   p.add_argument('--dtype', default='float32')
   p.add_argument('--workdir', default=os.path.join(REPO, 'runs', 'vllm'),
                  help='holds the vLLM cache and the HF exports of .gguf models')
@@ -72,9 +76,14 @@ def main(argv=None):
     model = export_gguf(model, args.workdir)
   elif not os.path.isdir(model):
     sys.exit(f'--model {model!r} is neither an HF checkpoint directory nor a .gguf file')
-  env = dict(os.environ, VLLM_SERVER_DEV_MODE='1', LOGRA_BRIDGE_TOKEN=args.token,
-             LOGRA_MAX_UPDATE_BYTES=str(args.max_update_bytes), LOGRA_REPO=REPO,
+  # No VLLM_SERVER_DEV_MODE: the middleware adds vLLM's RL router itself (its dev routes,
+  # /collective_rpc with any worker method, /sleep …, stay unregistered).
+  env = dict(os.environ, LOGRA_BRIDGE_TOKEN=args.token, LOGRA_REPO=REPO,
+             LOGRA_UPDATE_ORIGINS=args.update_origins,
              PYTHONPATH=os.pathsep.join(p for p in [HERE, os.environ.get('PYTHONPATH')] if p))
+  env.pop('VLLM_SERVER_DEV_MODE', None)
+  if args.max_update_bytes is not None:
+    env['LOGRA_MAX_UPDATE_BYTES'] = str(args.max_update_bytes)
   env.setdefault('VLLM_CPU_KVCACHE_SPACE', '1')
   env.setdefault('VLLM_CACHE_ROOT', os.path.join(args.workdir, 'cache'))
   argv = vllm_argv(args, model, extra)

@@ -1,8 +1,10 @@
 """`logra`: a vLLM `WeightTransferEngine` applying `logra-update/1` blobs (docs/bridge.md).
 
-The blob arrives in `update_weights` as update_info ``{"path": FILE}`` or ``{"url": URL}``.
+The blob arrives in `update_weights` as update_info ``{"path": FILE}`` or ``{"url": URL}``,
+read under the checks both engines share (`admission`: update dirs, allowed origins, size).
 Everything is validated by `wire.decode` (names, shapes, dtypes, finiteness, A checksums, base
-version, whole fused groups) before any weight changes. The engine keeps an fp32 master copy
+version, whole fused groups) and `admission.check_versions` (never backward; a full blob for
+another base holds every tensor) before any weight changes. The engine keeps an fp32 master copy
 of the checkpoint's tensors (HF names and layouts): a low-rank update is W ← W + U @ A on the
 master, and the new values of the touched tensors are loaded through vLLM's layerwise reload
 (on the CPU the linear weights are repacked by oneDNN, so there is no in-place add); wire.decode
@@ -17,9 +19,7 @@ is kept only if /finish_weight_update names its new_version (the middleware then
 import dataclasses
 import glob
 import os
-import tempfile
 import time
-import urllib.request
 from typing import Optional
 
 import numpy as np
@@ -32,17 +32,9 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                      initialize_layerwise_reload)
 
-from logra_vllm.refs import projection, wire
+from logra_vllm.refs import admission, projection, wire
 
 logger = init_logger(__name__)
-DEFAULT_MAX_BYTES = 4 << 30
-
-
-def update_dirs() -> tuple:
-  """Where update_info.path may point: $LOGRA_UPDATE_DIRS (':'-separated) or shm and tmp."""
-  dirs = os.environ.get('LOGRA_UPDATE_DIRS', '').split(os.pathsep)
-  dirs = [d for d in dirs if d] or ['/dev/shm', tempfile.gettempdir()]
-  return tuple(os.path.realpath(d) for d in dirs if os.path.isdir(d))
 
 
 @dataclasses.dataclass
@@ -70,13 +62,6 @@ def read_checkpoint(directory: str) -> dict:
   return out
 
 
-class _Refused(Exception):
-
-  def __init__(self, status: int, message: str):
-    super().__init__(message)
-    self.status = status
-
-
 class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateInfo]):
   """Receives `logra-update/1` blobs by path or URL; versions are decimal strings from '0'."""
   init_info_cls = LograInitInfo
@@ -87,8 +72,10 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     super().__init__(config, vllm_config, device, model)
     self.master = read_checkpoint(self.model_config.model)
     self.spec = {name: tuple(x.shape) for name, x in self.master.items()}
-    self.max_bytes = int(os.environ.get('LOGRA_MAX_UPDATE_BYTES', DEFAULT_MAX_BYTES))
-    self.update_dirs = update_dirs()
+    self.max_bytes = int(os.environ.get('LOGRA_MAX_UPDATE_BYTES')
+                         or admission.DEFAULT_MAX_BYTES)
+    self.update_dirs = admission.update_dirs()
+    self.update_origins = admission.update_origins()
     self.token = os.environ.get('LOGRA_BRIDGE_TOKEN', '')
     self.version = '0'         # the committed version (what the weights are, outside a session)
     self.pending = None        # the session's new_version once an update is applied
@@ -127,20 +114,14 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
   def drift(self, path: str) -> dict:
     """{'num': Σ‖W_ref − W‖², 'den': Σ‖W_ref‖², 'tensors'} of the fp32 master against the
     reference safetensors file ``path`` (in the update dirs; the sync benchmark's drift)."""
-    from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
-    ref = load_file(self._checked_path(path))
+    from safetensors.numpy import load  # pylint: disable=g-import-not-at-top
+    ref = load(admission.read_path(path, self.update_dirs, self.max_bytes))
     num = den = 0.0
     for name, want in ref.items():
       want = want.astype(np.float64)
       num += float(np.sum((want - self.master[name]) ** 2))
       den += float(np.sum(want * want))
     return {'num': num, 'den': den, 'tensors': len(ref)}
-
-  def _checked_path(self, path: str) -> str:
-    path = os.path.realpath(path)
-    if not any(os.path.commonpath([path, d]) == d for d in self.update_dirs):
-      raise _Refused(400, f'update path {path!r} must lie in {list(self.update_dirs)}')
-    return path
 
   def update_weights(self, update_info) -> None:
     """Validates, then applies one blob; a refusal is recorded, never half-applied.
@@ -150,68 +131,34 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     """
     try:
       if self._undo is None:
-        raise _Refused(400, 'update_weights outside a session: call /start_weight_update')
+        raise admission.Refused(400, 'update_weights outside a session: call '
+                                     '/start_weight_update')
       if self.refusal is not None:
-        raise _Refused(400, f'this update session already failed ({self.refusal[1]}): '
-                            'finish it without a version')
-      if not isinstance(update_info, dict):
-        raise _Refused(400, f'update_info must be a JSON object, got {type(update_info).__name__}')
-      blob = self._fetch(self.parse_update_info(update_info))
+        raise admission.Refused(400, f'this update session already failed '
+                                     f'({self.refusal[1]}): finish it without a version')
+      info = {k: v for k, v in update_info.items() if v is not None} if isinstance(
+          update_info, dict) else update_info
+      blob = admission.read_update(info, dirs=self.update_dirs, origins=self.update_origins,
+                                   token=self.token, max_bytes=self.max_bytes)
       update = wire.decode(blob, self.spec, self.version, projection)
+      admission.check_versions(update.kind, update.base_version, update.new_version,
+                               update.tensors, self.spec, self.version)
       if self.pending not in (None, update.new_version):
-        raise _Refused(400, f"new_version {update.new_version} differs from this session's "
-                            f'{self.pending}')
+        raise admission.Refused(400, f'new_version {update.new_version} differs from this '
+                                     f"session's {self.pending}")
       self._apply(update)
-    except (wire.UpdateError, _Refused) as e:
+    except (wire.UpdateError, admission.Refused) as e:
       self._refuse(e.status, str(e))
-    except ValueError as e:  # parse_update_info: unknown keys
-      self._refuse(400, str(e))
 
   def receive_weights(self, update_info: LograUpdateInfo) -> None:
     self.update_weights(dataclasses.asdict(update_info))
-
-  def _fetch(self, info: LograUpdateInfo) -> bytes:
-    if (info.path is None) == (info.url is None):
-      raise _Refused(400, 'update_info needs exactly one of "path" and "url"')
-    if info.path is not None:
-      return self._read_file(str(info.path))
-    return self._read_url(str(info.url))
-
-  def _too_large(self, n, where):
-    return _Refused(413, f'update {where} is {n} bytes, above the limit of {self.max_bytes}')
-
-  def _read_file(self, path: str) -> bytes:
-    path = self._checked_path(path)
-    try:
-      size = os.path.getsize(path)
-      if size > self.max_bytes:
-        raise self._too_large(size, path)
-      with open(path, 'rb') as f:
-        return f.read(self.max_bytes + 1)
-    except OSError as e:
-      raise _Refused(400, f'cannot read update path {path!r}: {e}') from e
-
-  def _read_url(self, url: str) -> bytes:
-    if not url.startswith(('http://', 'https://')):
-      raise _Refused(400, f'update url must be http(s), got {url!r}')
-    try:
-      req = urllib.request.Request(url, headers={'Authorization': f'Bearer {self.token}'})
-      with urllib.request.urlopen(req, timeout=120) as r:
-        length = r.headers.get('Content-Length')
-        if length is not None and int(length) > self.max_bytes:
-          raise self._too_large(int(length), url)
-        blob = r.read(self.max_bytes + 1)
-    except (OSError, ValueError) as e:
-      raise _Refused(400, f'cannot fetch update url {url!r}: {e}') from e
-    if len(blob) > self.max_bytes:
-      raise self._too_large(len(blob), url)
-    return blob
 
   def _apply(self, update) -> None:
     new = wire.apply(self.master, update)
     for name, x in new.items():
       if not np.all(np.isfinite(x)):
-        raise _Refused(400, f'tensor {name} would become non-finite after the update')
+        raise admission.Refused(400, f'tensor {name} would become non-finite after the '
+                                     'update')
     start = time.perf_counter()
     self._load(new)
     for name in new:

@@ -1,8 +1,14 @@
-"""`--middleware logra_vllm.middleware.LograMiddleware`: auth and the logra update protocol.
+"""`--middleware logra_vllm.middleware.LograMiddleware`: auth, routes and the update protocol.
 
 * Every route except /health needs ``Authorization: Bearer <LOGRA_BRIDGE_TOKEN>`` (vLLM's
-  --api-key guards /v1/* only; its RL routes /pause, /start_weight_update, /collective_rpc …
-  would run for anyone). A refused request gets 401 and reaches nothing.
+  --api-key guards /v1/* only; its RL routes /pause, /start_weight_update … would run for
+  anyone). A refused request gets 401 and reaches nothing.
+* Only the routes of `ROUTES` exist (the OpenAI routes the trainer uses, the RL update
+  lifecycle, /weight_info, /health): every other route is 404 and websockets are closed.
+  vLLM registers its RL routes only with VLLM_SERVER_DEV_MODE=1, which also opens
+  /collective_rpc (any worker method), /sleep, /reset_prefix_cache …; the launcher runs without
+  it and this middleware adds the RL router itself on the first request. /collective_rpc is
+  answered here, for the read-only `RPC_METHODS` only (403 for any other method).
 * Weight versions start at "0" (vLLM starts at "default").
 * Every /v1/completions choice reports `weight_version`, the version of the weights that
   produced it (vLLM reports none on this route; its per-token `weight_versions` come only from
@@ -10,7 +16,10 @@
   only inside an update window (/start_weight_update … /finish_weight_update), which this
   middleware opens only while generation is paused (400 otherwise) and in which it refuses
   /resume (400), so a forward pass always runs on the committed version's weights; a window
-  ends with a commit (a new version) or a rollback to the same weights. A completion during
+  ends with a commit (a new version) or a rollback to the same weights. The paused check and
+  the opening of a window, and /resume's check of the window, hold one lock, so no /resume
+  slips between them; a window closes only when the engine's session has ended (a finish
+  whose body is malformed is answered 400 and leaves the window, and the session, open). A completion during
   which no commit happened was produced by the version read when it arrived, exactly. One
   that overlapped a commit (a request frozen by /pause?mode=keep, or one queued during a
   pause) reports the OLDER version as `weight_version` and the range as
@@ -23,7 +32,8 @@
 * /finish_weight_update {"weight_version": V} keeps the session's updates if V is their
   new_version (the engine's `commit`), else answers 400 and, like a finish without a version,
   rolls them back. After a finish the served version is the weights' version and the prefix
-  cache (built with the old weights) is reset.
+  cache (built with the old weights) is reset. A finish naming the served version with no
+  session open is answered 200 (a client's retry of a commit that landed).
 """
 import asyncio
 import hmac
@@ -31,11 +41,21 @@ import json
 import os
 
 OPEN_PATHS = ('/health',)
+ROUTES = frozenset({
+    ('GET', '/health'), ('GET', '/v1/models'), ('POST', '/v1/completions'),
+    ('POST', '/pause'), ('POST', '/resume'), ('GET', '/is_paused'), ('GET', '/weight_info'),
+    ('POST', '/init_weight_transfer_engine'), ('POST', '/start_weight_update'),
+    ('POST', '/update_weights'), ('POST', '/finish_weight_update'),
+    ('POST', '/update_weight_version'),  # answered 400 here: versions are set by the finish
+    ('POST', '/collective_rpc'),  # answered here, for RPC_METHODS only
+})
+RPC_METHODS = ('logra_status', 'logra_drift')  # read-only (logra_drift: the sync benchmark)
 
 
 def _error(status: int, message: str, **extra) -> dict:
   """OpenAI's error shape (as the JAX engine server answers), so its client raises with it."""
-  kind = {401: 'authentication_error'}.get(status, 'invalid_request_error')
+  kind = {401: 'authentication_error', 403: 'permission_error',
+          404: 'not_found_error'}.get(status, 'invalid_request_error')
   return {'error': {'message': message, 'type': kind, 'code': status}, **extra}
 
 
@@ -91,7 +111,9 @@ class LograMiddleware:
       raise ValueError('LOGRA_BRIDGE_TOKEN is empty: the logra launcher needs --token')
     self._expected = f'Bearer {token}'.encode()
     self._versioned = False
+    self._rl_routes = False
     self._lock = asyncio.Lock()
+    self._window_lock = asyncio.Lock()  # the paused check + opening, and /resume's check
     self._version = '0'  # the committed version (kept in step by /finish_weight_update)
     self._commits = 0    # commits so far: a completion spanning one reports a range
     self._window = False  # between /start_weight_update and /finish_weight_update
@@ -109,21 +131,28 @@ class LograMiddleware:
         return await send({'type': 'websocket.close', 'code': 1008})
       return await _send_json(send, 401, _error(401, 'missing or wrong bearer token'))
     if scope['type'] != 'http':
-      return await self.app(scope, receive, send)
+      return await send({'type': 'websocket.close', 'code': 1008})
+    if (scope.get('method'), path) not in ROUTES:
+      return await _send_json(send, 404, _error(404, f'no route {scope.get("method")} {path}'))
+    self._add_rl_routes(scope['app'])
     engine = scope['app'].state.engine_client
     await self._start_at_zero(engine)
     if path == '/update_weights':
       return await self._update(engine, scope, receive, send)
     if path == '/finish_weight_update':
-      try:
+      async with self._window_lock:
         return await self._finish(engine, scope, receive, send)
-      finally:
-        self._window = False  # vLLM's finish ends the session whatever it answers
     if path == '/start_weight_update':
-      return await self._start(engine, scope, receive, send)
-    if path == '/resume' and self._window:
-      return await _send_json(send, 400, _error(
-          400, 'a weight update is in progress: /finish_weight_update before /resume'))
+      async with self._window_lock:
+        return await self._start(engine, scope, receive, send)
+    if path == '/resume':
+      async with self._window_lock:
+        if self._window:
+          return await _send_json(send, 400, _error(
+              400, 'a weight update is in progress: /finish_weight_update before /resume'))
+        return await self.app(scope, receive, send)
+    if path == '/collective_rpc':
+      return await self._rpc(engine, receive, send)
     if path == '/update_weight_version':
       return await _send_json(send, 400, _error(
           400, 'weight versions are set by /finish_weight_update {"weight_version"}'))
@@ -131,14 +160,45 @@ class LograMiddleware:
       return await self._completions(scope, receive, send)
     return await self.app(scope, receive, send)
 
+  def _add_rl_routes(self, app):
+    """vLLM's RL router (/pause, /start_weight_update …), which vLLM itself registers only in
+    its dev mode; added once, before the first request is routed (no await: atomic)."""
+    if self._rl_routes:
+      return
+    if '/start_weight_update' not in {getattr(r, 'path', None) for r in app.routes}:
+      from vllm.entrypoints.rl.online import api_router  # pylint: disable=g-import-not-at-top
+      app.include_router(api_router.router)
+    self._rl_routes = True
+
   async def _start(self, engine, scope, receive, send):
     """Opens an update window, only while paused (vLLM's engine crashes on an update of a
-    running model)."""
+    running model). The caller holds the window lock."""
     if not await engine.is_paused():
       return await _send_json(send, 400, _error(
           400, 'call /pause before /start_weight_update (an update needs paused generation)'))
     self._window = True
-    await self.app(scope, receive, send)
+    try:
+      await self.app(scope, receive, send)
+    finally:
+      self._window = (await self._status(engine))['in_session']
+
+  async def _rpc(self, engine, receive, send):
+    """/collective_rpc for the read-only `RPC_METHODS` ({"method", "args": [str]})."""
+    try:
+      body = json.loads(await _read_body(receive) or b'{}')
+      method, args = body.get('method'), body.get('args', [])
+    except (ValueError, AttributeError):
+      return await _send_json(send, 400, _error(400, 'body must be a JSON object'))
+    if method not in RPC_METHODS:
+      return await _send_json(send, 403, _error(
+          403, f'/collective_rpc serves only {list(RPC_METHODS)}'))
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+      return await _send_json(send, 400, _error(400, 'args must be a list of strings'))
+    try:
+      results = await engine.collective_rpc(method, args=tuple(args))
+    except Exception as e:  # pylint: disable=broad-except  # e.g. a drift path refused
+      return await _send_json(send, 400, _error(400, f'{method}: {e}'))
+    return await _send_json(send, 200, {'results': list(results)})
 
   async def _completions(self, scope, receive, send):
     """vLLM's answer with each choice's weight_version (see the module docstring)."""
@@ -194,9 +254,13 @@ class LograMiddleware:
     body = await _read_body(receive)
     try:
       wanted = json.loads(body or b'{}').get('weight_version')
-    except (ValueError, AttributeError):
-      return await _send_json(send, 400, _error(400, 'body must be a JSON object'))
+    except (ValueError, AttributeError):  # nothing ends: the window and the session stay open
+      return await _send_json(send, 400, _error(
+          400, 'body must be a JSON object ({} or {"weight_version"}); the update is still '
+               'open'))
     state = await self._status(engine)
+    if wanted is not None and not state['in_session'] and str(wanted) == state['version']:
+      return await _send_json(send, 200, {'weight_version': state['version']})  # a retry
     problem, committed = None, False
     if wanted is not None and state['in_session']:
       if state['refusal'] is not None or state['pending'] is None:
@@ -214,7 +278,10 @@ class LograMiddleware:
 
     async def capture(message):
       messages.append(message)
-    await self.app(scope, _replay(body, receive), capture)
+    try:
+      await self.app(scope, _replay(body, receive), capture)
+    finally:
+      self._window = (await self._status(engine))['in_session']
     if messages and messages[0].get('status') == 200:  # synced before the client hears back
       version = (await self._status(engine))['version']
       if await engine.get_weight_version() != version:

@@ -1,4 +1,5 @@
-"""The repo's numpy-only modules, loaded by file path (the `logra_jax` package needs JAX)."""
+"""The repo's numpy-only modules, loaded by file path (the `logra_jax` package needs JAX):
+the update checks both engines share (`admission`), the payload (`wire`) and `projection`."""
 import importlib.util
 import os
 
@@ -16,5 +17,6 @@ def _load(name: str, relpath: str):
   return module
 
 
+admission = _load('logra_admission', 'logra_jax/bridge/admission.py')
 wire = _load('logra_wire', 'logra_jax/bridge/wire.py')
 projection = _load('logra_projection', 'logra_jax/sketch/projection.py')
