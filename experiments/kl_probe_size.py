@@ -77,16 +77,27 @@ def make_stats(model, prompt_len: int, temperature: float):
   return jax.jit(stats)
 
 
+def _keep_batch(collect, seen: list):
+  """`Trainer.collect` that also appends its (host batch, prompt length) to ``seen``."""
+  def wrapped(t):
+    out = collect(t)
+    seen.append(out[:2])
+    return out
+  return wrapped
+
+
 def collect(cfg, n_batches: int, workdir: str, log=print):
   """[{var, kl, mask}] over ``n_batches`` trainer steps, and each step's logged metrics."""
   trainer = loop.Trainer(cfg, workdir, log=lambda *_: None)
+  seen = []
+  trainer.collect = _keep_batch(trainer.collect, seen)
   stats_fns, batches, logged = {}, [], []
   try:
     for _ in range(n_batches):
       old = jax.tree.map(jnp.copy, trainer.method.policy_params(trainer.state))
       start = time.perf_counter()
       metrics = trainer.train_step()
-      batch, p = trainer.last_batch
+      batch, p = seen.pop()  # the host batch the update saw
       if p not in stats_fns:
         stats_fns[p] = make_stats(trainer.model, p, cfg.rollout.temperature)
       new = trainer.method.policy_params(trainer.state)

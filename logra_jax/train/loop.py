@@ -122,7 +122,6 @@ class Trainer:
                              cfg.rollout.max_staleness)
     self.rollouts.set_state(self._pending)
     self.resumed = resumed
-    self.last_batch = None  # (host batch, prompt length) of the latest train_step
 
   def _restore_or_init(self, params):
     latest = self.ckpt.latest_step()
@@ -185,7 +184,6 @@ class Trainer:
     start = time.perf_counter()
     batch, p, results, scores, stale, generate_s = self.collect(t)
     host_memory.release()  # what the sampler freed, before the step allocates
-    self.last_batch = (batch, p)  # the host batch the update saw (experiments/kl_probe_size)
     generated = start + generate_s
     if self.cfg.rl.kl_coef:
       if p not in self._ref_fns:
