@@ -12,7 +12,7 @@ from logra_jax import data
 from logra_jax.train import config as config_lib
 from logra_jax.train import tasks
 from logra_jax.train import warm_start_cache as cache
-from trainer_runs import xla_cache  # noqa: F401  (the two warm starts compile one program)
+from trainer_runs import make_config, xla_cache  # noqa: F401  (xla_cache: one program for both)
 
 
 def _config(**warm):
@@ -113,3 +113,9 @@ def test_every_input_of_the_warm_start_is_in_the_key(setup, monkeypatch):
   assert same == ['cache_dir (not an input)'], f'the key ignores {same}'
   with jax.enable_x64(True):
     assert cache.cache_key(cfg, model, params, batch) != key  # x64 changes the SFT program
+
+
+def test_the_suites_runs_get_the_session_cache_through_the_config_key(warm_start_cache_dir):
+  """tests/conftest.py's one directory per session reaches trainer_runs.make_config's runs as
+  the config key (the trainer reads no environment switch)."""
+  assert warm_start_cache_dir and make_config().warm_start.cache_dir == warm_start_cache_dir
