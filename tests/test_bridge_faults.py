@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from logra_jax.bridge import admission, client, sync, wire
+from logra_jax.bridge import admission, client, wire
 from logra_jax.bridge.client import BridgeError, Fleet, ServerClient
 from logra_jax.bridge.engine import JaxEngine
 from logra_jax.bridge.server import BridgeServer
