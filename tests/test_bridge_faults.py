@@ -286,6 +286,19 @@ def test_blob_files_fall_back_to_the_temp_dir_when_shm_is_missing_or_small(monke
     assert os.path.dirname(path) == tmp
 
 
+def test_the_fleet_writes_blobs_where_it_is_told(tmp_path):
+  """A directory both hosts mount (multi-node): the client writes there, the server reads it."""
+  shared = tmp_path / 'shared'
+  shared.mkdir()
+  with _bridge(update_dirs=(str(shared),)) as (engine, server, _):
+    fleet = Fleet([server.url], TOKEN, blob_dir=str(shared))
+    try:
+      fleet.push(_lowrank(engine, 0, 1), 1, full_blob=lambda: None)
+    finally:
+      fleet.close()
+    assert engine.weight_version == '1' and not os.listdir(shared)
+
+
 # --- E: retries and aborted completions --------------------------------------------------------
 
 

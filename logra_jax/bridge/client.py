@@ -135,11 +135,13 @@ class Fleet:
   """Generation servers as one `logra_jax.rl.Generator`, and the update broadcast."""
 
   def __init__(self, urls: Sequence[str], token: str, model: str = 'logra',
-               max_concurrency: int = 8):
+               max_concurrency: int = 8, blob_dir: Optional[str] = None):
+    """``blob_dir``: where update blob files are written (a directory the servers read, in
+    their update dirs: a shared mount for servers on other hosts); None: `blob_dir`'s pick."""
     if not urls:
       raise ValueError('a fleet needs at least one server URL')
     self.servers = [ServerClient(u, token) for u in urls]
-    self.model, self.version = model, 0
+    self.model, self.version, self.blob_dir = model, 0, blob_dir
     self.aborts_retried = 0  # completions requested again because they came back aborted
     self._count = threading.Lock()
     self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency * len(urls))
@@ -169,11 +171,11 @@ class Fleet:
 
   def push(self, blob: bytes, version: int, full_blob: Callable[[], bytes]) -> dict:
     """Broadcasts one update; servers answering 409 get ``full_blob()``. Returns counts."""
-    with _BlobFile(blob) as path:
+    with _BlobFile(blob, self.blob_dir) as path:
       results = list(self._pool.map(lambda s: _push_one(s, path, version), self.servers))
     stale = [s for s, r in zip(self.servers, results) if r == 409]
     if stale:
-      with _BlobFile(full_blob()) as path:
+      with _BlobFile(full_blob(), self.blob_dir) as path:
         list(self._pool.map(lambda s: _push_one(s, path, version, strict=True), stale))
     self.version = version
     with self._count:
@@ -213,15 +215,16 @@ def blob_dir(size: int) -> str:
 
 
 class _BlobFile:
-  """The blob in a shared-memory file (`blob_dir`; the temp dir when a write to /dev/shm fails),
-  removed after."""
+  """The blob in a file in ``directory``, else a shared-memory one (`blob_dir`; the temp dir
+  when a write to /dev/shm fails), removed after."""
 
-  def __init__(self, blob: bytes):
-    self.blob = blob
+  def __init__(self, blob: bytes, directory: Optional[str] = None):
+    self.blob, self.directory = blob, directory
 
   def __enter__(self) -> str:
-    first = blob_dir(len(self.blob))
-    for directory in dict.fromkeys([first, tempfile.gettempdir()]):
+    tried = [self.directory] if self.directory else [blob_dir(len(self.blob)),
+                                                     tempfile.gettempdir()]
+    for directory in dict.fromkeys(tried):
       fd, self.path = tempfile.mkstemp(prefix='logra-update-', suffix='.safetensors',
                                        dir=directory)
       try:
@@ -230,7 +233,7 @@ class _BlobFile:
         return self.path
       except OSError:  # ENOSPC: the tmpfs filled since statvfs
         os.unlink(self.path)
-        if directory == tempfile.gettempdir():
+        if directory == tried[-1]:
           raise
     raise AssertionError('unreachable')
 
