@@ -19,8 +19,9 @@
   ends with a commit (a new version) or a rollback to the same weights. The paused check and
   the opening of a window, and /resume's check of the window, hold one lock, so no /resume
   slips between them; a window closes only when the engine's session has ended (a finish
-  whose body is malformed is answered 400 and leaves the window, and the session, open). A completion during
-  which no commit happened was produced by the version read when it arrived, exactly. One
+  whose body is malformed is answered 400 and leaves the window, and the session, open). A
+  completion during which no commit happened was produced by the version read when it
+  arrived, exactly. One
   that overlapped a commit (a request frozen by /pause?mode=keep, or one queued during a
   pause) reports the OLDER version as `weight_version` and the range as
   `weight_versions: [old, new]`: never newer than the weights that produced a token. The
