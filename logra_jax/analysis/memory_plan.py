@@ -155,8 +155,10 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0, rows=0) -
 
 def dense_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0, rows=0) -> Entry:
   """`methods.adam_method`'s step and shardings, on abstract inputs (batch: `logra_entry`)."""
-  opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps)
   pl = methods.Placement(cfg, model, layout)
+  trainable = (methods.sketched_mask(pl.abstract) if cfg.optim.adam.trainable == 'sketched'
+               else None)
+  opt = optimizers.adam_optimizer(cfg.optim, cfg.total_steps, trainable)
   opt_abs = jax.eval_shape(opt.init, pl.abstract)
   opt_sh = layout.state(opt_abs, pl.logical)
   sh = pl.step_shardings(opt_sh, train=pl.params, accum=pl.params)
@@ -202,3 +204,26 @@ def memory(compiled) -> dict:
   out['peak'] = out['argument'] + out['output'] - out['alias'] + out['temp']
   return out
 
+
+
+def step_figures(cfg: TrainConfig, model, seq, rows: int) -> dict:
+  """The trainer's step of ``cfg`` (LoGRA or dense AdamW) on one device, compiled on abstract
+  inputs of ``rows`` sequences of ``seq`` = (prompt, completion) tokens in the config's
+  micro-batches: the optimizer state's and the gradient's bytes (LoGRA: the sketches it
+  accumulates; AdamW: the dense gradient) and XLA's per-step memory (`memory`)."""
+  layout = parallel.Layout(parallel.make_mesh(1, 1, jax.devices()[:1]),
+                           parse_axis_rules(cfg.mesh.rules))
+  make = logra_entry if cfg.optim.name == 'logra' else dense_entry
+  e = make(cfg, model, layout, seq, micro_batches=cfg.optim.micro_batches, rows=rows)
+  with jax.set_mesh(layout.mesh):
+    mem = memory(e.fn.lower(*e.args).compile())
+  params = e.args[e.names.index('params')]
+  if cfg.optim.name == 'logra':
+    spec = optimizers.projection_spec(cfg.optim.logra, 0, hf_io.projection_name_fn(model.config))
+    a = jax.eval_shape(lambda: steps.draw_projections(params, 0, 0, spec))
+    grad = jax.eval_shape(sketch.zero_probes, params, a)
+  else:
+    grad = params
+  return dict(opt_state_bytes=global_bytes(e.args[e.names.index('opt_state')]),
+              grad_bytes=global_bytes(grad), param_bytes=global_bytes(params),
+              step_peak_bytes=mem['peak'], step_temp_bytes=mem['temp'])

@@ -1,0 +1,110 @@
+"""Does LoGRA learn as much per step as dense AdamW? The parity study's arms, seeds and
+held-out sets, fixed here before any run (issue 23).
+
+  python experiments/compare_methods.py --config=configs/compare_methods.py:tiny \
+      --workdir=runs/compare_methods_tiny
+  python experiments/compare_methods.py --config=configs/compare_methods.py:smollm2 \
+      --workdir=runs/compare_methods_smollm2
+
+Every run of the study is an ordinary `experiments/train.py` run of this file's
+`get_config('TASK/ARM')` with `--config.seed=S` (so one run alone, resumed or re-run, is one
+train.py command; results.json records it). The tasks:
+
+  tiny     configs/tiny.py: 1,500 RL steps after its 300-step warm start, 256 held-out
+           problems (pass@1 from eval.k = 4 samples at temperature 1), seeds 0, 1, 2.
+  smollm2  configs/smollm2_rg.py: 50 steps, 256 held-out problems, greedy (eval.k = 1,
+           temperature 0), evaluated every 10 steps, seeds 0, 1.
+  smoke    the tiny task cut to seconds (a 200-step warm start, 4 x 4 rollouts, 3 steps, 8
+           held-out problems): the suite's check of the study's bookkeeping, not a result.
+
+The arms: `logra` (the task config's LoGRA as it is), dense AdamW at three learning rates
+around the task config's (the sweep: the best of them is the reference every arm is compared
+with, paired by seed), and `adam_sketched`: AdamW on the kernels LoGRA sketches only
+(optim.adam.trainable='sketched', the middle learning rate), which separates "fewer trained
+parameters" from "sketch noise".
+"""
+import importlib.util
+import os
+
+from logra_jax.train.config import switch_method
+
+_DIR = os.path.dirname(os.path.abspath(__file__))
+TASKS = ('tiny', 'smollm2', 'smoke')
+
+
+def _sibling(name):
+  """A config file next to this one, loaded by path (configs/ is no package)."""
+  spec = importlib.util.spec_from_file_location(f'_{name}_config', os.path.join(_DIR, f'{name}.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _adam(lr: float, trainable: str = 'all') -> dict:
+  return {'optim.name': 'adam', 'optim.adam.learning_rate': lr, 'optim.adam.trainable': trainable}
+
+
+def ablation(arg=None) -> dict:
+  """The study: {arms: {name: overrides}, seeds, reference_arms, memory_seq (prompt,
+  completion) tokens of the step whose memory XLA analyses}."""
+  task = _task(arg)
+  if task == 'smollm2':  # smollm2_rg.py:adam's lr is 1e-5 (it moved the policy ~LoGRA's KL)
+    lrs, seeds, seq = (3e-6, 1e-5, 3e-5), (0, 1), (128, 48)
+  else:                  # tiny.py:adam's lr is 2e-4 (the best of 1e-4 / 2e-4 / 4e-4 once)
+    lrs, seeds, seq = (1e-4, 2e-4, 4e-4), (0, 1, 2), (16, 4)
+  arms = {'logra': {}}
+  arms.update({f'adam_lr{lr:g}': _adam(lr) for lr in lrs})
+  arms['adam_sketched'] = _adam(lrs[1], 'sketched')
+  if task == 'smoke':
+    arms = {'logra': {}, f'adam_lr{lrs[1]:g}': _adam(lrs[1])}
+    seeds = (0, 1)
+  return {'arms': arms, 'seeds': seeds,
+          'reference_arms': [a for a in arms if a.startswith('adam_lr')],
+          'memory_seq': seq}
+
+
+def _task(arg):
+  task = (arg or 'tiny').partition('/')[0]
+  if task not in TASKS:
+    raise ValueError(f'configs/compare_methods.py: unknown task {task!r} (use one of {TASKS}, '
+                     "optionally '/ARM')")
+  return task
+
+
+def _base(task):
+  if task == 'smollm2':
+    cfg = _sibling('smollm2_rg').get_config()
+    cfg.data.eval_size = 256
+    cfg.eval.k, cfg.eval.temperature = 1, 0.0  # greedy
+    cfg.total_steps, cfg.eval_every, cfg.checkpoint_every = 50, 10, 10
+    return cfg
+  cfg = _sibling('tiny').get_config()
+  if task == 'smoke':
+    cfg.warm_start.steps = 200  # held-out pass@1 off 0, so the bookkeeping has numbers
+    cfg.data.prompts_per_step, cfg.data.samples_per_prompt = 4, 4
+    cfg.data.eval_size, cfg.eval.k = 8, 2
+    cfg.optim.kl_sequences = 4
+    cfg.total_steps, cfg.eval_every, cfg.checkpoint_every = 3, 1, 3
+  return cfg
+
+
+def get_config(arg=None):
+  """`arg` = 'TASK' (the task's LoGRA arm) or 'TASK/ARM' (one arm of `ablation(TASK)`)."""
+  task, _, arm = (arg or 'tiny').partition('/')
+  _task(task)
+  cfg = _base(task)
+  arms = ablation(task)['arms']
+  if arm and arm not in arms:
+    raise ValueError(f'configs/compare_methods.py: unknown arm {arm!r} of task {task!r} '
+                     f'(arms: {list(arms)})')
+  overrides = dict(arms[arm or 'logra'])
+  name = overrides.pop('optim.name', cfg.optim.name)
+  if name != cfg.optim.name:
+    switch_method(cfg, name)
+  for key, value in overrides.items():
+    *parents, leaf = key.split('.')
+    node = cfg
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return cfg

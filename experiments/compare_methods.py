@@ -1,0 +1,269 @@
+r"""The parity study: named arms x seeds, each an ordinary, resumable train.py run (issue 23).
+
+  python experiments/compare_methods.py --config=configs/compare_methods.py:tiny \
+      --workdir=runs/compare_methods_tiny [--max_runs=N] [--report_only]
+
+The arms, seeds and held-out sets are the config's `ablation(TASK)`, fixed before any run.
+Run (arm, seed) is `experiments/train.py --config=configs/compare_methods.py:TASK/ARM
+--config.seed=SEED --workdir=WORKDIR/runs/ARM/seedSEED` in a subprocess; a run whose metrics
+already hold the held-out evaluation of its last step is skipped, an unfinished one resumes
+from its checkpoint, so a study grows across invocations (`--max_runs` bounds one). Runs go
+seed by seed (every arm's seed 0, then every arm's seed 1, ...): a partial study is balanced.
+
+Writes WORKDIR/results.json, results.md and compare_methods.png (mean held-out pass@1 curves
+with s.e. bands) from every finished run:
+  per run:  the pass@1 curve, final (last step) and best (over steps > 0), wall time, command;
+  per arm:  n seeds, mean and s.e. of final and best, the mean curve with its s.e., mean wall
+            time, the paired difference of final pass@1 to the reference arm (the best-mean
+            dense-AdamW learning rate, over the seeds both finished) with its s.e.; the
+            optimizer state's and the gradient's bytes and the step's peak and temp memory
+            from XLA's compiled memory analysis (`memory_plan.step_figures`, one device,
+            memory_seq tokens per row).
+s.e. = sample standard deviation (ddof 1) / sqrt(n); None where n < 2.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+import ablation_io
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = 'compare_methods'
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/compare_methods.py[:TASK]')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The study directory.')
+_MAX_RUNS = flags.DEFINE_integer('max_runs', 0, 'Train at most this many runs now (0: all).')
+_REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only aggregate the finished runs.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+# ------------------------------------------------------------------------------- statistics
+
+def mean_se(values) -> tuple:
+  """(mean, s.e. = sd (ddof 1) / sqrt(n)); s.e. None for n < 2, both None for n = 0."""
+  v = [float(x) for x in values]
+  if not v:
+    return None, None
+  m = sum(v) / len(v)
+  if len(v) < 2:
+    return m, None
+  var = sum((x - m) ** 2 for x in v) / (len(v) - 1)
+  return m, math.sqrt(var / len(v))
+
+
+def run_summary(rows: list, total_steps: int) -> dict:
+  """A run's held-out curve, final and best pass@1 from its metrics rows (None: unfinished)."""
+  curve = sorted({int(r['step']): float(r['eval_accuracy']) for r in rows
+                  if r.get('eval_accuracy') is not None}.items())
+  if not curve or curve[-1][0] != total_steps:
+    return None
+  rl = [a for s, a in curve if s > 0]
+  return {'curve': curve, 'final': curve[-1][1], 'best': max(rl) if rl else curve[-1][1],
+          'start': curve[0][1] if curve[0][0] == 0 else None}
+
+
+def arm_summary(runs: dict) -> dict:
+  """{seed: run_summary} of one arm -> means and s.e.s, the mean curve over common steps."""
+  seeds = sorted(runs)
+  final = mean_se([runs[s]['final'] for s in seeds])
+  best = mean_se([runs[s]['best'] for s in seeds])
+  steps = sorted(set.intersection(*(set(dict(runs[s]['curve'])) for s in seeds))) if seeds else []
+  curve = [(t, *mean_se([dict(runs[s]['curve'])[t] for s in seeds])) for t in steps]
+  walls = [runs[s]['wall_s'] for s in seeds if runs[s].get('wall_s') is not None]
+  return {'seeds': seeds, 'n': len(seeds), 'final_mean': final[0], 'final_se': final[1],
+          'best_mean': best[0], 'best_se': best[1], 'curve': curve,
+          'wall_s_mean': mean_se(walls)[0]}
+
+
+def paired_difference(runs: dict, ref_runs: dict) -> dict:
+  """Final pass@1 of the arm minus the reference's, seed by seed over the common seeds."""
+  seeds = sorted(set(runs) & set(ref_runs))
+  m, se = mean_se([runs[s]['final'] - ref_runs[s]['final'] for s in seeds])
+  return {'seeds': seeds, 'mean': m, 'se': se}
+
+
+def aggregate(runs: dict, reference_arms) -> dict:
+  """{arm: {seed: run}} -> {'arms': {arm: summary + paired}, 'reference': best adam arm}."""
+  arms = {a: arm_summary(r) for a, r in runs.items() if r}
+  refs = [a for a in reference_arms if a in arms]
+  reference = max(refs, key=lambda a: arms[a]['final_mean']) if refs else None
+  for a, s in arms.items():
+    if reference is not None:
+      s['vs_reference'] = paired_difference(runs[a], runs[reference])
+  return {'arms': arms, 'reference': reference}
+
+
+# ------------------------------------------------------------------------------------- runs
+
+def config_arg(config_flag) -> tuple:
+  """(path, task) of --config=PATH[:TASK]."""
+  path, _, task = config_flag.config_filename.partition(':')
+  return path, task or 'tiny'
+
+
+def run_dir(workdir: str, arm: str, seed: int) -> str:
+  return os.path.join(workdir, 'runs', arm, f'seed{seed}')
+
+
+def command(path: str, task: str, arm: str, seed: int, workdir: str) -> list:
+  """The run's train.py command; the arms of one seed share its warm start (the cache)."""
+  return [sys.executable, os.path.join(ROOT, 'experiments', 'train.py'),
+          f'--config={path}:{task}/{arm}', f'--config.seed={seed}',
+          f'--workdir={run_dir(workdir, arm, seed)}',
+          f"--config.warm_start.cache_dir={os.path.join(workdir, 'warm_start_cache')}"]
+
+
+def _read_wall(directory: str) -> float:
+  path = os.path.join(directory, 'compare_wall.json')
+  return json.load(open(path))['wall_s'] if os.path.exists(path) else 0.0
+
+
+def train_run(cmd: list, directory: str, xla_cache: str, log) -> None:
+  """One train.py run (resuming its checkpoint); its wall time added to compare_wall.json."""
+  os.makedirs(directory, exist_ok=True)
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
+  env.setdefault('JAX_COMPILATION_CACHE_DIR', xla_cache)  # the arms compile the same steps
+  log(' '.join(cmd))
+  start = time.perf_counter()
+  out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+  wall = _read_wall(directory) + time.perf_counter() - start
+  with open(os.path.join(directory, 'compare_wall.json'), 'w') as f:
+    json.dump({'wall_s': wall}, f)
+  with open(os.path.join(directory, 'train.log'), 'a') as f:
+    f.write(out.stdout + out.stderr)
+  if out.returncode:
+    raise RuntimeError(f'train.py failed (exit {out.returncode}) in {directory}:\n'
+                       f'{out.stderr[-3000:]}')
+
+
+def finished_runs(workdir: str, study: dict, total_steps: dict, path: str, task: str) -> dict:
+  """{arm: {seed: run_summary + wall_s + command}} of the runs that reached their last eval."""
+  from logra_jax.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  out = {}
+  for arm in study['arms']:
+    out[arm] = {}
+    for seed in study['seeds']:
+      d = run_dir(workdir, arm, seed)
+      rows = read_metrics(d) if os.path.exists(os.path.join(d, 'metrics.jsonl')) else []
+      s = run_summary(rows, total_steps[arm])
+      if s is not None:
+        out[arm][seed] = dict(s, wall_s=_read_wall(d) or None,
+                              command=' '.join(command(path, task, arm, seed, workdir)[1:]))
+  return out
+
+
+def memory_figures(cfgs: dict, seq) -> dict:
+  """`memory_plan.step_figures` of each arm's config (one device, compiled, never run) on
+  its step's batch of prompts x samples rows of ``seq`` tokens."""
+  from logra_jax.analysis import memory_plan  # pylint: disable=g-import-not-at-top
+  from logra_jax.train import tasks  # pylint: disable=g-import-not-at-top
+  out, models = {}, {}
+  for arm, cfg in cfgs.items():
+    key = (cfg.model, cfg.data)
+    if key not in models:  # the task's model (its vocabulary), loaded once per task
+      task = None if cfg.model.path else tasks.build_task(cfg)
+      models[key] = tasks.build_model(cfg, task)[0]
+    rows = cfg.data.prompts_per_step * cfg.data.samples_per_prompt
+    out[arm] = memory_plan.step_figures(cfg, models[key], seq, rows)
+  return out
+
+
+# ----------------------------------------------------------------------------------- report
+
+def markdown(results: dict) -> str:
+  ref = results['reference']
+  rows = []
+  for arm, s in results['arms'].items():
+    d = s.get('vs_reference') or {}
+    m = results['memory'].get(arm, {})
+    rows.append({
+        'arm': arm, 'seeds': s['n'], 'final pass@1': _pm(s['final_mean'], s['final_se']),
+        'best pass@1': _pm(s['best_mean'], s['best_se']),
+        f'final − {ref}': _pm(d.get('mean'), d.get('se')) if ref and arm != ref else '',
+        'opt state MiB': _mib(m.get('opt_state_bytes')), 'grad MiB': _mib(m.get('grad_bytes')),
+        'step peak MiB': _mib(m.get('step_peak_bytes')),
+        'wall min': f"{s['wall_s_mean'] / 60:.1f}" if s.get('wall_s_mean') else ''})
+  cols = list(rows[0]) if rows else ['arm']
+  return (f"# compare_methods: {results['task']}\n\nReference (best-mean dense-AdamW lr): "
+          f"{ref}. ± is one s.e. over seeds (paired by seed for the difference).\n\n"
+          + ablation_io.markdown_table(rows, cols) + '\n')
+
+
+def _pm(m, se) -> str:
+  if m is None:
+    return ''
+  return f'{m:.3f}' + (f' ± {se:.3f}' if se is not None else '')
+
+
+def _mib(b) -> str:
+  return '' if b is None else f'{b / 2**20:.2f}'
+
+
+def figure(results: dict):
+  fig, (ax,) = ablation_io.new_figure(1, width=7.0)
+  for arm, s in results['arms'].items():
+    steps = [c[0] for c in s['curve']]
+    mean = [c[1] for c in s['curve']]
+    se = [c[2] or 0.0 for c in s['curve']]
+    line, = ax.plot(steps, mean, label=f"{arm} (n={s['n']})")
+    ax.fill_between(steps, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)],
+                    color=line.get_color(), alpha=0.2)
+  ax.set_xlabel('RL step')
+  ax.set_ylabel('held-out pass@1 (mean ± s.e. over seeds)')
+  ax.set_title(f"compare_methods: {results['task']}")
+  ax.legend(fontsize=8)
+  return fig
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  path, task = config_arg(flags.FLAGS['config'])
+  study = ablation_io.settings(flags.FLAGS['config'])
+  workdir = os.path.abspath(_WORKDIR.value)
+  from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  module = _load(path)
+  cfgs = {arm: config_lib.from_config_dict(module.get_config(f'{task}/{arm}'))
+          for arm in study['arms']}
+  total = {arm: c.total_steps for arm, c in cfgs.items()}
+  done = 0
+  if not _REPORT_ONLY.value:
+    for seed in study['seeds']:
+      for arm in study['arms']:
+        d = run_dir(workdir, arm, seed)
+        if finished_runs(workdir, {'arms': [arm], 'seeds': [seed]}, total, path, task)[arm]:
+          continue
+        if _MAX_RUNS.value and done >= _MAX_RUNS.value:
+          break
+        train_run(command(path, task, arm, seed, workdir), d,
+                  os.path.join(workdir, 'xla_cache'), print)
+        done += 1
+  runs = finished_runs(workdir, study, total, path, task)
+  results = aggregate(runs, study['reference_arms'])
+  results.update(task=task, study={k: v for k, v in study.items()},
+                 runs={a: {str(s): r for s, r in rs.items()} for a, rs in runs.items()},
+                 trained_now=done)
+  results['memory'] = memory_figures(cfgs, tuple(study['memory_seq']))
+  paths = ablation_io.write_results(workdir, NAME, results, markdown(results), figure(results))
+  print(open(paths['md']).read())
+  print(json.dumps({'results': paths['json'], 'reference': results['reference'],
+                    'arms': {a: {'n': s['n'], 'final_mean': s['final_mean'],
+                                 'final_se': s['final_se']}
+                             for a, s in results['arms'].items()}}))
+
+
+def _load(path):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location('_compare_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,209 @@
+r"""Which update direction buys the most reward per unit of KL? A probe without long runs.
+
+  python experiments/direction_quality.py --config=configs/tiny.py --workdir=runs/dq_tiny \
+      [--from_workdir=runs/tiny] [--pairs=8]
+
+From the policy of a real run (``--from_workdir``: its latest checkpoint, copied; else the
+config's starting policy, after its warm start), the trainer draws 2 x ``pairs`` rollout
+batches (`loop.Trainer.collect`: rollouts, rewards, advantages; the policy never moves). For
+each pair (a, b) and each candidate update direction D built from batch a:
+
+  gain(D)  = −⟨∇L_b, D⟩          the first-order decrease of batch b's RL loss along D
+  q(D)     = the predicted-KL coefficient of D on batch a's KL-probe rows (a JVP, as the
+             LoGRA step computes it: KL(π ‖ π + αD) ≈ α² q)
+  score(D) = gain(D) / √q(D)     first-order progress per √(predicted KL): what a step
+                                 under a KL budget δ gains, divided by √δ (scale-free in D)
+
+The candidates (each a dense tree like the params; zero where a method does not train):
+  dense_gradient   −∇L_a
+  adamw            one AdamW step from fresh moments (−g/(|g| + eps) elementwise)
+  logra            the configured LoGRA update Aᵀ U: A drawn as the trainer draws it (rank,
+                   projection, seed, step), U = the configured sketch optimizer (fresh state)
+                   of the sketch S = A ∇L_a, i.e. what the trainer's step applies before α
+  logra_rank_x4    the same with every rank 4x (capped at d_in)
+  sketched_gradient −∇L_a on LoGRA's kernels only (what any kernel-only method could reach)
+  random           a Gaussian direction (the control: its score is 0 within its s.e.)
+
+Writes WORKDIR/direction_quality.json and prints, per candidate, mean ± s.e. of score over
+the pairs and the ratio of LoGRA's mean score to AdamW's. The LAST line is that JSON.
+"""
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # noqa: E402  pylint: disable=g-import-not-at-top
+import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
+import optax  # noqa: E402  pylint: disable=g-import-not-at-top
+from absl import app, flags, logging  # noqa: E402  pylint: disable=g-import-not-at-top
+from flax import traverse_util  # noqa: E402  pylint: disable=g-import-not-at-top
+from ml_collections import config_flags  # noqa: E402  pylint: disable=g-import-not-at-top
+
+from logra_jax import sketch  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train import completion, methods, optimizers  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train.steps import kl_probe, losses  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+# ------------------------------------------------------------------------------ directions
+
+def dense_gradient(model, loss_cfg, params, batch, prompt_len):
+  """∇L of the step's RL loss on the whole ``batch`` (one micro-batch, weight 1)."""
+  loss = losses.loss_fn(model, loss_cfg, prompt_len)
+  return jax.grad(lambda p: loss({'params': p}, batch, 1.0)[0])(params)
+
+
+def _zeros_except(params, flat_updates):
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict(
+      {k: flat_updates.get(k, jnp.zeros_like(v)) for k, v in flat.items()})
+
+
+def logra_direction(optim, params, grad, seed: int, step: int, rank_scale: int = 1):
+  """Aᵀ U of the configured LoGRA (``optim``: an OptimSection) for the dense gradient
+  ``grad``: S = A G per sketched kernel, U from the sketch optimizer's fresh state."""
+  lg = optim.logra
+  if rank_scale != 1:
+    lg = dataclasses.replace(lg, rank=lg.rank * rank_scale, rank_rules=','.join(
+        f'{p}={r * rank_scale}' for p, r in optimizers.parse_rank_rules(lg.rank_rules)))
+  a = optimizers.projections_at(lg, params, seed, step)
+  kernels = sketch.kernels_of(params, a)
+  g = sketch.kernels_of(grad, a)
+  s = jax.tree.map(lambda aa, gg: jnp.einsum('...rk,...kd->...rd', aa.astype(gg.dtype), gg),
+                   a, g)
+  opt = optimizers.logra_optimizer(dataclasses.replace(optim, logra=lg), 1)
+  u, _ = opt.update(s, opt.init(s), kernels, projections=a)
+  d = jax.tree.map(lambda aa, uu, k: sketch.expand_update(aa, uu).astype(k.dtype), a, u, kernels)
+  return _zeros_except(params, traverse_util.flatten_dict(d))
+
+
+def adamw_direction(optim, params, grad):
+  """One AdamW step from fresh moments (lr 1; the scale cancels in the score)."""
+  s = optim.adam
+  opt = optax.adamw(1.0, b1=s.b1, b2=s.b2, weight_decay=0.0)
+  u, _ = opt.update(grad, opt.init(params), params)
+  return u
+
+
+def directions(cfg, params, grad, step: int, key) -> dict:
+  """The candidate updates (dense trees like ``params``) built from batch a's gradient."""
+  flat_g = traverse_util.flatten_dict(grad)
+  targets = set(sketch.target_paths(params))
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return {
+      'dense_gradient': jax.tree.map(jnp.negative, grad),
+      'adamw': adamw_direction(cfg.optim, params, grad),
+      'logra': logra_direction(cfg.optim, params, grad, cfg.seed, step),
+      'logra_rank_x4': logra_direction(cfg.optim, params, grad, cfg.seed, step, 4),
+      'sketched_gradient': _zeros_except(params, {k: -v for k, v in flat_g.items()
+                                                  if k in targets}),
+      'random': jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
+                                          for k, x in zip(keys, leaves)]),
+  }
+
+
+# ---------------------------------------------------------------------------------- scores
+
+def tree_dot(a, b):
+  return sum(jnp.vdot(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def kl_coefficient(model, params, direction, batch, prompt_len, temperature, rows: int):
+  """q(D) on ``rows`` strided rows of ``batch`` (`kl_probe.kl_subset`), by one JVP."""
+  sub = kl_probe.kl_subset(batch, rows)
+  fwd = lambda w: completion.forward(model, {'params': w}, sub, prompt_len)
+  base, tangent = jax.jvp(fwd, (params,), (direction,))
+  return sketch.kl_coefficient(base, tangent, temperature, sub['target_mask'])
+
+
+def score(model, params, direction, grad_b, batch_a, prompt_len, temperature, rows) -> dict:
+  """gain = −⟨∇L_b, D⟩, q(D) on batch a's probe rows, score = gain / √q."""
+  gain = -tree_dot(grad_b, direction)
+  q = kl_coefficient(model, params, direction, batch_a, prompt_len, temperature, rows)
+  return {'gain': float(gain), 'q': float(q), 'score': float(gain / jnp.sqrt(q))}
+
+
+def mean_se(values):
+  v = np.asarray(values, np.float64)
+  return float(v.mean()), (float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else None)
+
+
+def summarize(per_pair: list) -> dict:
+  """[{name: score dict}] over pairs -> {name: {score_mean, score_se, ...}}, LoGRA/AdamW."""
+  out = {}
+  for name in per_pair[0]:
+    m, se = mean_se([p[name]['score'] for p in per_pair])
+    out[name] = {'score_mean': m, 'score_se': se,
+                 'q_mean': mean_se([p[name]['q'] for p in per_pair])[0]}
+  adam = out['adamw']['score_mean']
+  ratio = out['logra']['score_mean'] / adam if adam else float('nan')
+  ratios = [p['logra']['score'] / p['adamw']['score'] for p in per_pair]
+  return {'directions': out, 'logra_over_adamw': ratio,
+          'logra_over_adamw_per_pair': ratios}
+
+
+# ------------------------------------------------------------------------------------ main
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'A training config (its LoGRA).')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Where the probe writes (and its policy runs).')
+_FROM = flags.DEFINE_string('from_workdir', '', 'A run directory: probe its latest checkpoint.')
+_PAIRS = flags.DEFINE_integer('pairs', 8, 'Batch pairs (2 x pairs rollout batches).')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
+  from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
+  trainer = loop.Trainer(cfg, workdir, log=lambda *_: None)
+  try:
+    params = trainer.method.policy_params(trainer.state)
+    model, loss_cfg = trainer.model, methods.loss_config(cfg)
+    temp, rows = cfg.rollout.temperature, cfg.optim.kl_sequences
+    grad = jax.jit(lambda p, b, pl: dense_gradient(model, loss_cfg, p, b, pl),
+                   static_argnums=2)
+    per_pair, t0 = [], trainer.step
+    for i in range(pairs):
+      (ba, pa), (bb, pb) = (trainer.collect(t0 + 2 * i + j + 1)[:2] for j in (0, 1))
+      if pa != pb:  # both batches' prompts in one bucket: one gradient program per length
+        log(f'pair {i}: prompt lengths {pa} != {pb}; b padded to {max(pa, pb)}')
+      ga, gb = grad(params, ba, pa), grad(params, bb, pb)
+      ds = directions(cfg, params, ga, t0 + 2 * i + 1, jax.random.key(1000 + i))
+      per_pair.append({n: score(model, params, d, gb, ba, pa, temp, rows)
+                       for n, d in ds.items()})
+      log(f"pair {i}: " + ', '.join(f"{n} {s['score']:.4g}" for n, s in per_pair[-1].items()))
+  finally:
+    trainer.close()
+  return dict(summarize(per_pair), pairs=per_pair, step=int(t0),
+              rank=cfg.optim.logra.rank, projection=cfg.optim.logra.projection,
+              sketch_optimizer=cfg.optim.logra.sketch_optimizer)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
+  cfg = from_config_dict(_CONFIG.value)
+  if cfg.optim.name != 'logra':
+    raise app.UsageError('direction_quality.py probes a LoGRA config (optim.name=logra)')
+  policy_dir = os.path.join(_WORKDIR.value, 'policy')
+  if _FROM.value and not os.path.exists(policy_dir):
+    shutil.copytree(_FROM.value, policy_dir, ignore=shutil.ignore_patterns('*.jsonl', 'events*'))
+  out = probe(cfg, policy_dir, _PAIRS.value)
+  for name, s in out['directions'].items():
+    print(f"{name:18s} score {s['score_mean']:.4g} ± {s['score_se'] or float('nan'):.2g}  "
+          f"q {s['q_mean']:.3g}")
+  print(f"LoGRA / AdamW score: {out['logra_over_adamw']:.3f}")
+  path = os.path.join(_WORKDIR.value, 'direction_quality.json')
+  with open(path, 'w') as f:
+    json.dump(out, f, indent=1)
+  print(json.dumps({k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank')}))
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,125 @@
+"""experiments/compare_methods.py: the parity study's bookkeeping (issue 23).
+
+The smoke study (configs/compare_methods.py:smoke: 2 arms x 2 seeds x 3 steps, each an
+ordinary train.py run in a subprocess) is run end to end, then every figure of its
+results.json is recomputed here by hand from the runs' own metrics.jsonl: the curves, final
+and best pass@1, the means and s.e.s, the paired differences to the reference arm. A second
+invocation trains nothing (finished runs are skipped) and reports the same numbers.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+
+import compare_methods  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train.metrics import read_metrics  # noqa: E402
+
+
+# ------------------------------------------------------------------- statistics, by hand
+
+def test_mean_se_is_the_sample_sd_over_root_n():
+  m, se = compare_methods.mean_se([0.5, 0.75, 1.0])
+  assert m == pytest.approx(0.75)
+  assert se == pytest.approx(np.std([0.5, 0.75, 1.0], ddof=1) / math.sqrt(3))
+  assert compare_methods.mean_se([0.3]) == (0.3, None)
+  assert compare_methods.mean_se([]) == (None, None)
+
+
+def test_run_summary_final_best_and_unfinished():
+  rows = [{'step': 0, 'eval_accuracy': 0.2}, {'step': 1, 'accuracy': 0.9},
+          {'step': 2, 'eval_accuracy': 0.6}, {'step': 4, 'eval_accuracy': 0.5}]
+  s = compare_methods.run_summary(rows, total_steps=4)
+  assert s == {'curve': [(0, 0.2), (2, 0.6), (4, 0.5)], 'final': 0.5, 'best': 0.6,
+               'start': 0.2}
+  assert compare_methods.run_summary(rows, total_steps=6) is None  # no eval at its last step
+
+
+def test_paired_difference_over_common_seeds_and_the_best_reference():
+  run = lambda final: {'final': final, 'best': final, 'curve': [(0, 0.1), (5, final)]}
+  runs = {'logra': {0: run(0.5), 1: run(0.7), 2: run(0.9)},
+          'adam_a': {0: run(0.4), 1: run(0.8)},
+          'adam_b': {0: run(0.3), 1: run(0.2), 2: run(0.1)}}
+  out = compare_methods.aggregate(runs, ['adam_a', 'adam_b'])
+  assert out['reference'] == 'adam_a'  # mean 0.6 > 0.2
+  d = out['arms']['logra']['vs_reference']
+  assert d['seeds'] == [0, 1]  # seed 2 has no adam_a run
+  assert d['mean'] == pytest.approx(0.0)  # (0.1 + -0.1) / 2
+  assert d['se'] == pytest.approx(np.std([0.1, -0.1], ddof=1) / math.sqrt(2))
+  logra = out['arms']['logra']
+  assert logra['final_mean'] == pytest.approx(0.7)
+  assert logra['curve'][1][0] == 5 and logra['curve'][1][1] == pytest.approx(0.7)
+
+
+# ------------------------------------------------------------------- the smoke study
+
+@pytest.fixture(scope='module')
+def smoke(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('compare_methods')
+  cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'compare_methods.py'),
+         f"--config={os.path.join(ROOT, 'configs', 'compare_methods.py')}:smoke",
+         f'--workdir={workdir}']
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+  assert again.returncode == 0, again.stderr[-3000:]
+  return workdir, json.load(open(workdir / 'results.json'))
+
+
+def _by_hand(workdir, arm, seed, total_steps=3):
+  rows = read_metrics(str(workdir / 'runs' / arm / f'seed{seed}'))
+  curve = [(r['step'], r['eval_accuracy']) for r in rows if r.get('eval_accuracy') is not None]
+  assert [s for s, _ in curve] == list(range(total_steps + 1))  # eval_every = 1
+  return curve
+
+
+def test_the_smoke_study_reports_what_its_runs_measured(smoke):
+  workdir, res = smoke
+  study = res['study']
+  assert list(study['arms']) == ['logra', 'adam_lr0.0002'] and study['seeds'] == [0, 1]
+  assert res['reference'] == 'adam_lr0.0002'
+  finals = {}
+  for arm in study['arms']:
+    for seed in study['seeds']:
+      curve = _by_hand(workdir, arm, seed)
+      run = res['runs'][arm][str(seed)]
+      assert [tuple(c) for c in run['curve']] == curve
+      assert run['final'] == curve[-1][1]
+      assert run['best'] == max(a for s, a in curve if s > 0)
+      assert run['wall_s'] > 0 and f'--config.seed={seed}' in run['command']
+      info = json.load(open(workdir / 'runs' / arm / f'seed{seed}' / 'run_info.json'))
+      assert info['config']['seed'] == seed
+      assert info['config']['optim']['name'] == ('logra' if arm == 'logra' else 'adam')
+      finals[arm, seed] = curve[-1][1]
+    s = res['arms'][arm]
+    f = [finals[arm, seed] for seed in study['seeds']]
+    assert s['n'] == 2 and s['final_mean'] == pytest.approx(np.mean(f))
+    assert s['final_se'] == pytest.approx(np.std(f, ddof=1) / math.sqrt(2))
+  d = [finals['logra', s] - finals['adam_lr0.0002', s] for s in study['seeds']]
+  got = res['arms']['logra']['vs_reference']
+  assert got['mean'] == pytest.approx(np.mean(d))
+  assert got['se'] == pytest.approx(np.std(d, ddof=1) / math.sqrt(2))
+  # Held-out pass@1 at step 0 is the same policy for both arms of a seed (same init).
+  for seed in study['seeds']:
+    assert (_by_hand(workdir, 'logra', seed)[0] == _by_hand(workdir, 'adam_lr0.0002', seed)[0])
+
+
+def test_memory_figures_and_outputs(smoke):
+  workdir, res = smoke
+  logra, adam = res['memory']['logra'], res['memory']['adam_lr0.0002']
+  # AdamW's mu and nu, and its step counts (int32 scalars).
+  assert 0 <= adam['opt_state_bytes'] - 2 * adam['param_bytes'] <= 16
+  assert logra['opt_state_bytes'] < 0.25 * adam['opt_state_bytes']
+  assert logra['grad_bytes'] < adam['grad_bytes'] == adam['param_bytes']
+  assert all(m['step_peak_bytes'] > 0 for m in res['memory'].values())
+  assert (workdir / 'compare_methods.png').stat().st_size > 0
+  md = (workdir / 'results.md').read_text()
+  assert 'adam_lr0.0002' in md and '±' in md
+  assert res['trained_now'] == 0  # the second invocation: every run finished, none retrained
