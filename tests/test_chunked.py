@@ -22,8 +22,10 @@ import numerics
 from logra_jax import sketch
 from logra_jax.analysis import hlo
 from logra_jax.models import attention as attn
+from logra_jax.models.kv_cache import init_cache
+from logra_jax.models.positions import causal_mask
 from logra_jax.models.presets import get_preset
-from logra_jax.models.transformer import Transformer, _causal_mask, init_cache, init_params
+from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl import blockwise
 from logra_jax.rl import losses as rl_losses
 from logra_jax.train import completion, optimizers, steps
@@ -134,7 +136,7 @@ def padding_and_segments(b=2, l=11):
 def test_blockwise_attention_equals_dense_with_padding_and_segments(block):
   q, k, v = qkv()
   mask, seg = padding_and_segments()
-  dense = lambda q, k, v: attn.dense_attention(q, k, v, _causal_mask(mask, seg))
+  dense = lambda q, k, v: attn.dense_attention(q, k, v, causal_mask(mask, seg))
   blocked = lambda q, k, v: attn.blockwise_attention(q, k, v, mask, seg, block=block)
   # Every row, the fully masked (padding) ones included: both average all keys uniformly.
   close(blocked(q, k, v), dense(q, k, v))
@@ -152,7 +154,7 @@ def test_blockwise_attention_equals_dense_with_a_cache(block=3):  # 3 divides ne
   mask = jnp.ones((2, 5), bool)
   cached = (k_c, v_c, cache_mask)
   close(attn.blockwise_attention(q, k, v, mask, None, cached, block=block),
-        attn.dense_attention(q, k, v, _causal_mask(mask), cached))
+        attn.dense_attention(q, k, v, causal_mask(mask), cached))
 
 
 def tiny_config(**kw):
@@ -321,7 +323,7 @@ def test_blockwise_attention_never_forms_an_l_by_l_array():
   with jax.enable_x64(False):
     q, k, v, mask = long_attention_inputs()
     blocked = lambda q, k, v: jnp.sum(attn.blockwise_attention(q, k, v, mask, block=512))
-    dense = lambda q, k, v: jnp.sum(attn.dense_attention(q, k, v, _causal_mask(mask)))
+    dense = lambda q, k, v: jnp.sum(attn.dense_attention(q, k, v, causal_mask(mask)))
     grad = lambda f: jax.grad(f, (0, 1, 2))
     big = lambda shapes: [s for s, _ in shapes if len(s) >= 2 and s[-2:] == (LONG, LONG)]
     assert big(hlo.traced_shapes(dense, q, k, v))  # the check sees the dense scores

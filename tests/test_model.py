@@ -13,9 +13,10 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from logra_jax.models.config import ModelConfig
+from logra_jax.models.kv_cache import init_cache
+from logra_jax.models.positions import rope_inv_freq
 from logra_jax.models.presets import PRESETS, get_preset
-from logra_jax.models.transformer import (Transformer, decode_variables, init_cache, init_params,
-                                          param_count, rope_inv_freq)
+from logra_jax.models.transformer import Transformer, decode_variables, init_params, param_count
 
 TOL = 1e-9
 SKETCHED = (('attn', 'q_proj'), ('attn', 'k_proj'), ('attn', 'v_proj'), ('attn', 'o_proj'),

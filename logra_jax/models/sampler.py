@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from logra_jax.models.config import ModelConfig
-from logra_jax.models.transformer import Transformer, decode_variables, init_cache
+from logra_jax.models.kv_cache import init_cache
+from logra_jax.models.transformer import Transformer, decode_variables
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,8 +5,8 @@ K kv heads, G = H // K, E head dim, F MLP hidden, V vocab, N layers.
 
 Layers run through `nn.scan` (params, projections and probes stacked on a leading N axis,
 logical axis 'layers'), with `jax.checkpoint` per `ModelConfig.remat_policy`. With a KV cache
-(an explicit pytree, `init_cache`: one buffer per layer) the layers run one by one instead,
-each reading and writing its own buffers in place, so the module stays purely functional:
+(an explicit pytree, `kv_cache.init_cache`: one buffer per layer) the layers run one by one
+instead, each reading and writing its own buffers in place, so the module stays purely functional:
 
     logits_BxLxV, cache = Transformer(config).apply({'params': params}, tokens_BxL, cache=cache)
 
@@ -14,7 +14,7 @@ Masks: keys that are padding (`attn_mask_BxL` False), in the future, or in anoth
 (`segment_ids_BxL`) are never attended; with `shared_prefix=True` segment 0 is a prefix that
 every later segment attends (a prompt shared by the completions packed after it). Positions
 default to the count of real tokens before each token, so left padding gives the same logits
-as no padding. `ModelConfig.attention` 'blockwise' never forms the L×L scores;
+as no padding (`positions.py`). `ModelConfig.attention` 'blockwise' never forms the L×L scores;
 `return_hidden=True` skips the vocabulary head.
 """
 import functools
@@ -27,30 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from logra_jax.models import attention as attn_lib
+from logra_jax.models import kv_cache
 from logra_jax.models.config import ModelConfig
+from logra_jax.models.positions import (apply_rope, attention_masks, default_positions,
+                                        rope_sin_cos)
 from logra_jax.sketch.dense import KERNEL_T, PROBE, PROJECTION, SketchDense, matmul_t
 
-Cache = dict  # {'k', 'v': N-tuples of (B, K, S, E); 'mask': (B, S) bool; 'index': () int32}
 # Mesh axes the batch is split over (`logra_jax.parallel`: batches data-parallel over both).
 BATCH_AXES = ('data', 'fsdp')
 
 
 def _acc(dtype):
   return jnp.promote_types(jnp.float32, dtype)
-
-
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
-  """An empty KV cache of `max_len` slots; every row writes at the same slot `index`.
-
-  A separate (B, K, S, E) buffer per layer: a slice of one stacked buffer would be a copy
-  per layer per step on XLA:CPU, and (B, K, S, E) is the layout the attention's dots read
-  without a transpose copy (docs/benchmarks.md, "The embedded sampler's decode").
-  """
-  shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-  zeros = lambda: tuple(jnp.zeros(shape, dtype or config.jnp_dtype)
-                        for _ in range(config.num_layers))
-  return {'k': zeros(), 'v': zeros(), 'mask': jnp.zeros((batch, max_len), bool),
-          'index': jnp.zeros((), jnp.int32)}
 
 
 def constrain_batch(x_BxLxD):
@@ -66,42 +54,6 @@ def constrain_batch(x_BxLxD):
   if size == 1 or x_BxLxD.shape[0] % size:
     return x_BxLxD
   return jax.lax.with_sharding_constraint(x_BxLxD, jax.sharding.PartitionSpec(axes))
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-  """Inverse frequencies (E/2,), float64, with 'linear' or 'llama3' scaling applied."""
-  e = config.head_dim
-  inv = 1.0 / config.rope_theta ** (np.arange(0, e, 2, dtype=np.float64) / e)
-  s = config.rope_scaling_dict
-  kind = s.get('rope_type', 'default')
-  if kind == 'linear':
-    inv = inv / s['factor']
-  elif kind == 'llama3':
-    factor, lo, hi = s['factor'], s['low_freq_factor'], s['high_freq_factor']
-    old_len = s['original_max_position_embeddings']
-    wavelen = 2 * np.pi / inv
-    scaled = np.where(wavelen > old_len / lo, inv / factor, inv)
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-    inv = np.where(medium, smoothed, scaled)
-  return inv
-
-
-def rope_sin_cos(config: ModelConfig, positions_BxL):
-  """sin, cos of shape (B, L, E) in (at least) fp32, halves repeated as in HF Llama."""
-  dtype = _acc(config.jnp_dtype)
-  inv = jnp.asarray(rope_inv_freq(config), dtype)
-  angle = positions_BxL.astype(dtype)[..., None] * inv
-  angle = jnp.concatenate([angle, angle], axis=-1)
-  return jnp.sin(angle), jnp.cos(angle)
-
-
-def apply_rope(x_BxLxHxE, sin_BxLxE, cos_BxLxE):
-  x1, x2 = jnp.split(x_BxLxHxE, 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  sin, cos = sin_BxLxE[:, :, None], cos_BxLxE[:, :, None]
-  return (x_BxLxHxE * cos + rotated * sin).astype(x_BxLxHxE.dtype)
 
 
 def attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached=None, config=None):
@@ -154,22 +106,14 @@ class Attention(nn.Module):
     if layer_cache is not None:
       # Written before it is read, so XLA updates the buffers in place; the new slots are not
       # in the old `cache_mask_BxS`, so the cached part of the attention leaves them out.
-      new_kv = {n: _write_slots(layer_cache[n], new, layer_cache['index'])
+      new_kv = {n: kv_cache.write_slots(layer_cache[n], new, layer_cache['index'])
                 for n, new in (('k', k_BxLxKxE), ('v', v_BxLxKxE))}
-      # Stored (B, K, S, E) (`init_cache`); the attention reads it as (B, S, K, E).
+      # Stored (B, K, S, E) (`kv_cache.init_cache`); the attention reads it as (B, S, K, E).
       cached = (jnp.swapaxes(new_kv['k'], 1, 2), jnp.swapaxes(new_kv['v'], 1, 2),
                 cache_mask_BxS)
     o_BxLxHE = attention(q_BxLxHxE, k_BxLxKxE, v_BxLxKxE, masks, cached, c)
     out = _dense(c, self.sketch_mode, c.hidden_size, ('q_heads', 'embed'), 'o_proj')(o_BxLxHE)
     return out, new_kv
-
-
-def _write_slots(buffer_BxKxSxE, new_BxLxKxE, index):
-  """The L new keys (or values) written at slots index.. of a layer's cache buffer."""
-  zero = jnp.zeros_like(index)
-  return jax.lax.dynamic_update_slice(
-      buffer_BxKxSxE, jnp.swapaxes(new_BxLxKxE, 1, 2).astype(buffer_BxKxSxE.dtype),
-      (zero, zero, index, zero))
 
 
 class Mlp(nn.Module):
@@ -212,7 +156,8 @@ def _scanned_block(config: ModelConfig):
                  length=config.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
 
 
-def _unrolled_blocks(config: ModelConfig, layers, x_BxLxD, cache: Cache, sin, cos, masks):
+def _unrolled_blocks(config: ModelConfig, layers, x_BxLxD, cache: kv_cache.Cache, sin, cos,
+                     masks):
   """The blocks one by one over a KV cache: (x, [each layer's written {'k', 'v'}]).
 
   `layers`: one variable tree per layer. Each layer reads its own cache buffers in place;
@@ -220,9 +165,8 @@ def _unrolled_blocks(config: ModelConfig, layers, x_BxLxD, cache: Cache, sin, co
   """
   new_kv = []
   for i, variables in enumerate(layers):
-    layer_cache = {'k': cache['k'][i], 'v': cache['v'][i], 'index': cache['index']}
-    x_BxLxD, kv = Block(config).apply(variables, x_BxLxD, layer_cache, sin, cos, masks,
-                                      cache['mask'])
+    x_BxLxD, kv = Block(config).apply(variables, x_BxLxD, kv_cache.layer_cache(cache, i), sin,
+                                      cos, masks, cache['mask'])
     new_kv.append(kv)
   return x_BxLxD, new_kv
 
@@ -265,49 +209,6 @@ class LMHead(nn.Module):
                       preferred_element_type=_acc(self.dtype))
 
 
-def default_positions(attn_mask_BxL, segment_ids_BxL=None):
-  """Index among real tokens (left padding safe), restarting at each segment boundary."""
-  if segment_ids_BxL is not None:
-    idx = jnp.arange(segment_ids_BxL.shape[1])
-    start = jnp.concatenate([jnp.ones_like(segment_ids_BxL[:, :1], bool),
-                             segment_ids_BxL[:, 1:] != segment_ids_BxL[:, :-1]], axis=1)
-    return idx - jax.lax.cummax(jnp.where(start, idx, 0), axis=1)
-  return jnp.maximum(jnp.cumsum(attn_mask_BxL, axis=1) - 1, 0)
-
-
-def _causal_mask(attn_mask_BxL, segment_ids_BxL=None, shared_prefix=False):
-  l = attn_mask_BxL.shape[1]
-  mask_BxLxL = jnp.tril(jnp.ones((l, l), bool))[None] & attn_mask_BxL[:, None, :]
-  if segment_ids_BxL is not None:
-    same = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-    if shared_prefix:
-      same |= (segment_ids_BxL == 0)[:, None, :]
-    mask_BxLxL &= same
-  return mask_BxLxL
-
-
-def _write_cache(cache: Cache, layers_kv, attn_mask_BxL) -> Cache:
-  """The cache after L new tokens: the layers' written buffers, the tokens' mask at slot
-  `index` (in place under jit), the next slot."""
-  index = cache['index']
-  zero = jnp.zeros_like(index)
-  mask = jax.lax.dynamic_update_slice(cache['mask'], attn_mask_BxL, (zero, index))
-  return {'k': tuple(kv['k'] for kv in layers_kv), 'v': tuple(kv['v'] for kv in layers_kv),
-          'mask': mask, 'index': index + attn_mask_BxL.shape[1]}
-
-
-def _masks(config: ModelConfig, attn_mask_BxL, segment_ids_BxL, shared_prefix=False):
-  """What `attention` needs: the (B, L, L) mask (dense) or the per-token masks (blockwise)."""
-  if config.attention == 'dense':
-    return _causal_mask(attn_mask_BxL, segment_ids_BxL, shared_prefix)
-  masks = {'attn': attn_mask_BxL}
-  if segment_ids_BxL is not None:
-    masks['segments'] = segment_ids_BxL
-    if shared_prefix:
-      masks['prefix'] = segment_ids_BxL == 0
-  return masks
-
-
 def head_weights(config: ModelConfig, params):
   """(w, vocab_axis): the output head in the compute dtype, logits = x·w over axis D.
 
@@ -336,7 +237,8 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxL, positions_BxL=None, segment_ids_BxL=None,
-               attn_mask_BxL=None, cache: Optional[Cache] = None, last_only: bool = False,
+               attn_mask_BxL=None, cache: Optional[kv_cache.Cache] = None,
+               last_only: bool = False,
                return_hidden: bool = False, decode: Optional[dict] = None,
                shared_prefix: bool = False):
     c = self.config
@@ -351,7 +253,7 @@ class Transformer(nn.Module):
       positions_BxL = default_positions(attn_mask_BxL, segment_ids_BxL)
       if cache is not None:  # continue after the real tokens already in the cache
         positions_BxL += cache['mask'].sum(axis=1, dtype=positions_BxL.dtype)[:, None]
-    masks = _masks(c, attn_mask_BxL, segment_ids_BxL, shared_prefix)
+    masks = attention_masks(c, attn_mask_BxL, segment_ids_BxL, shared_prefix)
     if decode is not None and cache is None:
       raise ValueError('decode= needs a KV cache')
     embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.jnp_dtype,
@@ -370,7 +272,7 @@ class Transformer(nn.Module):
     x_BxLxD = RMSNorm(c.rms_norm_eps, c.jnp_dtype, c.jnp_param_dtype, name='final_norm')(x_BxLxD)
     if last_only:
       x_BxLxD = x_BxLxD[:, -1:]
-    new_cache = None if cache is None else _write_cache(cache, new_kv, attn_mask_BxL)
+    new_cache = None if cache is None else kv_cache.write_cache(cache, new_kv, attn_mask_BxL)
     if return_hidden:
       return x_BxLxD, new_cache
     if decode is not None:

@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from logra_jax import sketch
-from logra_jax.models.transformer import default_positions, head_weights
+from logra_jax.models.positions import default_positions
+from logra_jax.models.transformer import head_weights
 from logra_jax.rl import blockwise
 from logra_jax.rl import losses as rl_losses
 
