@@ -496,6 +496,7 @@ def test_lora_step_trains_only_the_adapters(x64, setup, dense_grads):
   # and dL/db = scale·aᵀ G (G the dense kernel gradient); Adam's first step is
   # −lr·g/(|g| + eps) (bias-corrected moments m̂ = g, v̂ = g²).
   g_flat = traverse_util.flatten_dict(dense_grads[1])
+  g_bs = []
   for path, ab in traverse_util.flatten_dict(jax.device_get(lora),
                                              is_leaf=lambda k, v: 'a' in v).items():
     got = new
@@ -504,6 +505,10 @@ def test_lora_step_trains_only_the_adapters(x64, setup, dense_grads):
     np.testing.assert_array_equal(got['a'], ab['a'])
     g_b = scale * jnp.einsum('lkr,lkd->lrd', ab['a'], g_flat[path])
     close(got["b"], -o.lora.learning_rate * g_b / (jnp.abs(g_b) + 1e-8))
+    g_bs.append(g_b)
+  # The dense steps report their gradient's norm (dL/da = 0: only dL/db counts), not LoGRA's.
+  close(metrics['grad_norm'], jnp.sqrt(sum(jnp.sum(g**2) for g in g_bs)))
+  assert 'sketch_norm' not in metrics
   merged = flat(merge(params, new))
   for path, w in flat(params).items():
     if path in traverse_util.flatten_dict(lora, is_leaf=lambda k, v: 'a' in v):

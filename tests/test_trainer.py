@@ -26,7 +26,9 @@ from trainer_runs import (assert_same_run, assert_trees_equal, format_reward, le
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_KEYS = ('step', 'reward_mean', 'accuracy', 'response_length', 'truncation_rate', 'loss',
              'loss/policy', 'predicted_kl', 'realized_kl', 'alpha', 'kl_budget', 'mismatch',
-             'sketch_norm', 'step_time_s', 'tokens_per_s', 'skipped')
+             'step_time_s', 'tokens_per_s', 'skipped')
+# The update's norm: the LoGRA step's sketch, the dense steps' (AdamW, LoRA) gradient.
+NORM_KEY = {'logra': 'sketch_norm', 'adam': 'grad_norm', 'lora': 'grad_norm'}
 EVAL_KEYS = ('eval_accuracy', 'eval_pass_at_k')
 
 _RUNS = {}
@@ -154,7 +156,7 @@ def check_rows(rows, name, cfg):
   assert [r['step'] for r in rows] == list(range(cfg.total_steps + 1))
   assert set(rows[0]) == {'step', *EVAL_KEYS}  # step 0: the starting policy's evaluation
   for row in rows[1:]:
-    missing = [k for k in STEP_KEYS if k not in row]
+    missing = [k for k in STEP_KEYS + (NORM_KEY[name],) if k not in row]
     assert not missing, (name, row['step'], missing)
     is_eval = row['step'] % cfg.eval_every == 0 or row['step'] == cfg.total_steps
     assert all((k in row) == is_eval for k in EVAL_KEYS), row
@@ -163,7 +165,7 @@ def check_rows(rows, name, cfg):
     finite = ('reward_mean', 'accuracy', 'response_length', 'truncation_rate', 'mismatch',
               'realized_kl', 'step_time_s', 'tokens_per_s')
     if not row['skipped']:  # a skipped step's loss and gradient (norm) are the NaNs it skipped
-      finite += ('loss', 'sketch_norm')
+      finite += ('loss', NORM_KEY[name])
     for k in finite:
       assert row[k] is not None and np.isfinite(row[k]), (k, row)
     assert row['skipped'] in (0.0, 1.0)

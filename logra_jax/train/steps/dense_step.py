@@ -1,7 +1,8 @@
 """The dense-gradient baseline step: AdamW on all params, or on LoRA adapters, jitted once.
 
 Micro-batch gradients are summed in fp32 (`micro_batches.accumulate`); the realised-KL
-telemetry is `kl_probe`'s.
+telemetry is `kl_probe`'s. The metric `grad_norm` is the global norm of the summed gradient (the
+LoGRA step's `sketch_norm` is its sketch's).
 """
 import functools
 from typing import Optional
@@ -58,7 +59,7 @@ def make_dense_step(model, loss_cfg, opt: optax.GradientTransformation, sc: Step
                    else jnp.float32(jnp.nan))
     metrics.update(realized_kl=realized_kl,
                    kl_telemetry=kl_probe.telemetry_metric(sc, telemetry),
-                   sketch_norm=optax.global_norm(g), skipped=1.0 - ok.astype(jnp.float32))
+                   grad_norm=optax.global_norm(g), skipped=1.0 - ok.astype(jnp.float32))
     return new_train, new_opt_state, metrics
 
   if sh is None:
