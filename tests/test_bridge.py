@@ -24,9 +24,9 @@ from logra_jax.bridge.client import BridgeError, Fleet, ServerClient
 from logra_jax.bridge.engine import EngineError, JaxEngine
 from logra_jax.bridge.server import BridgeServer
 from logra_jax.models import get_preset, hf_io, init_params, sampler
+from logra_jax.models.generator import JaxGenerator
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 from logra_jax.sketch import projection
-from logra_jax.train.rollout import JaxGenerator
 
 TOKEN = 'test-token'
 CONFIG = get_preset('tiny', vocab_size=32)

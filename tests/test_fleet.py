@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
+from logra_jax.models.generator import JaxGenerator
 from logra_jax.train import fleet, loop, tasks
-from logra_jax.train.rollout import JaxGenerator, Rollouts
+from logra_jax.train.rollout import Rollouts
 from trainer_runs import (assert_same_run, format_reward, make_config,  # noqa: F401
                           read_metrics, run_and_resume, train, xla_cache)
 

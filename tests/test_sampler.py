@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from logra_jax.models.config import ModelConfig
+from logra_jax.models.generator import JaxGenerator
 from logra_jax.models.sampler import (SamplingParams, decode_copy, generate, generate_arrays,
                                       sample_token)
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl.types import GenerationRequest
 from logra_jax.rl.types import SamplingParams as RequestParams
-from logra_jax.train.rollout import JaxGenerator
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3]]
 CONTEXT = 64  # max_position_embeddings of the test model
@@ -318,15 +318,15 @@ def test_decode_loop_updates_the_cache_and_reads_the_weights_in_place(model):
 def test_jax_generator_forks_each_prompt_n_times(model, monkeypatch):
   """JaxGenerator hands the sampler each prompt once with samples=n, and its results keep
   (request, sample) order; requests with different n fall back to one row per sample."""
-  from logra_jax.train import rollout  # pylint: disable=g-import-not-at-top
+  from logra_jax.models import generator  # pylint: disable=g-import-not-at-top
   c, params = model
   calls = []
-  real = rollout.generate_arrays
+  real = generator.generate_arrays
 
   def spy(params, decode, tokens, mask, seeds, stops, **kw):
     calls.append((tokens.shape, seeds.shape, kw['samples']))
     return real(params, decode, tokens, mask, seeds, stops, **kw)
-  monkeypatch.setattr(rollout, 'generate_arrays', spy)
+  monkeypatch.setattr(generator, 'generate_arrays', spy)
   gen = JaxGenerator(c, params)
   sp = RequestParams(temperature=1.0, max_new_tokens=5, n=4, seed=3)
   out = gen.generate([GenerationRequest(p, sp, request_id=str(i)) for i, p in enumerate(PROMPTS)])

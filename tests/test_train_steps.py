@@ -23,6 +23,7 @@ import pytest
 from flax import traverse_util
 
 from logra_jax import rl, sketch
+from logra_jax.models.generator import JaxGenerator
 from logra_jax.models.presets import get_preset
 from logra_jax.models.transformer import Transformer, init_params
 from logra_jax.rl import losses as rl_losses
@@ -31,7 +32,7 @@ from logra_jax.train import lora as lora_lib
 from logra_jax.train import optimizers, steps
 from logra_jax.train.steps import losses as step_losses
 from logra_jax.train.config import LograSection, LoraSection, OptimSection
-from logra_jax.train.rollout import JaxGenerator, assemble_batch
+from logra_jax.train.rollout import assemble_batch
 
 N, P, T = 4, 4, 3           # sequences, prompt length, completion length
 PROMPT_LENS = (4, 3, 2, 4)  # left padded to P

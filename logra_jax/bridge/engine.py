@@ -25,7 +25,7 @@ from logra_jax.bridge import admission, device_apply, wire
 from logra_jax.models.config import ModelConfig
 from logra_jax.rl.types import GenerationRequest, GenerationResult
 from logra_jax.sketch import projection
-from logra_jax.train.rollout import JaxGenerator
+from logra_jax.models.generator import JaxGenerator
 
 PAUSE_MODES = ('abort', 'wait', 'keep')
 

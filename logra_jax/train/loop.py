@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from logra_jax import parallel, sketch
+from logra_jax.models.generator import JaxGenerator
 from logra_jax.rl.advantages import get_advantage_fn
 from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
@@ -23,7 +24,7 @@ from logra_jax.train.fleet import FleetGenerator
 from logra_jax.train.config import TrainConfig
 from logra_jax.train.methods import get_method, prompt_group
 from logra_jax.train.metrics import MetricWriter, read_metrics
-from logra_jax.train.rollout import JaxGenerator, Rollouts, assemble_batch
+from logra_jax.train.rollout import Rollouts, assemble_batch
 
 TIMING_KEYS = ('step_time_s', 'tokens_per_s', 'generate_s', 'update_s', 'sync_s')
 
