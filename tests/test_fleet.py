@@ -194,6 +194,8 @@ def test_launched_servers_get_the_trainers_platform(tmp_path, monkeypatch, train
   assert urls == ['http://127.0.0.1:1'] * 2
   want = expected or jax.default_backend()
   assert [e['JAX_PLATFORMS'] for e in _FakeServer.envs] == [want, want]
+  # Servers sharing an accelerator with the trainer never preallocate 75% of it each.
+  assert all(e['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false' for e in _FakeServer.envs)
 
 
 def test_fleet_generator_passes_rollout_launch_platform(tmp_path, monkeypatch):
@@ -206,4 +208,19 @@ def test_fleet_generator_passes_rollout_launch_platform(tmp_path, monkeypatch):
   monkeypatch.setattr(fleet, 'launch_servers', launch)
   cfg = make_config(rollout__engine='http', rollout__launch=1, rollout__launch_platform='tpu')
   with pytest.raises(Launched, match='^tpu$'):
+    fleet.FleetGenerator(cfg, str(tmp_path), None, {}, 0)
+
+
+def test_fleet_generator_passes_rollout_blob_dir(tmp_path, monkeypatch):
+  """rollout.blob_dir (a directory servers on other hosts share) reaches the client."""
+  class Built(Exception):
+    pass
+
+  def fleet_cls(urls, token, blob_dir=None):
+    raise Built(blob_dir)
+  monkeypatch.setenv('LOGRA_BRIDGE_TOKEN', 'token')
+  monkeypatch.setattr(fleet, 'Fleet', fleet_cls)
+  cfg = make_config(rollout__engine='http', rollout__urls='http://127.0.0.1:1',
+                    rollout__blob_dir=str(tmp_path))
+  with pytest.raises(Built, match=f'^{tmp_path}$'):
     fleet.FleetGenerator(cfg, str(tmp_path), None, {}, 0)

@@ -55,6 +55,8 @@ class RolloutSection:
   launch: int = 0           # local JAX-engine servers the trainer starts and stops
   launch_platform: str = ''  # JAX_PLATFORMS of launched servers ('': the trainer's own)
   full_sync_every: int = 0  # a full-weight anchor every K steps (0: only when needed)
+  blob_dir: str = ''        # where update blobs are written for the servers to read: a
+  #   directory they share (servers on other hosts; docs/bridge.md); '': shared memory/temp
   u_dtype: str = 'fp32'     # low-rank U on the wire: fp32 | bf16 | fp8-e4m3 | int4
   # 0: on-policy. s > 0: step t+s's rollouts are generated during step t's update, by the
   # weights before it (staleness s; TIS corrects it; train/rollout.py `Rollouts`)

@@ -38,6 +38,9 @@ def launch_servers(model_dir: str, n: int, token: str, log_dir: str, pad_id: int
   procs, files = [], []
   env = dict(os.environ, LOGRA_BRIDGE_TOKEN=token, JAX_PLATFORMS=server_platform(platform),
              XLA_FLAGS='')  # one device each, whatever the trainer simulates
+  # On a shared accelerator each JAX process would take 75% of its memory at start: the
+  # servers (and the trainer beside them) allocate as they go instead.
+  env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   for i in range(n):
     port_file = os.path.join(log_dir, f'server{i}.url')
     if os.path.exists(port_file):
@@ -87,7 +90,7 @@ class FleetGenerator:
                                            params, model_config)
       urls, self._procs = launch_servers(model_dir, r.launch, token, fleet_dir, pad_id,
                                          r.launch_platform)
-    self.fleet = Fleet(urls, token)
+    self.fleet = Fleet(urls, token, blob_dir=r.blob_dir or None)
     self.mirror = sync.Mirror(params, model_config)
     self._full_sync(params, version)
 
