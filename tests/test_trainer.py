@@ -232,7 +232,7 @@ def test_lora_runs_through_the_loop_and_counts_a_skipped_step(tmp_path):
 # ------------------------------------------------------------------ the tiny job, the CLI
 
 @pytest.mark.slow
-def test_tiny_default_learns_in_its_first_rl_steps(tmp_path):
+def test_tiny_default_learns_in_its_first_rl_steps(tmp_path, warm_start_cache_dir):
   """The README's main job, cut to its first 200 RL steps: held-out pass@1 must rise.
 
   Measured with this config: 0.229 after the warm start, 0.465 at step 200. Over 256 held-out
@@ -242,6 +242,7 @@ def test_tiny_default_learns_in_its_first_rl_steps(tmp_path):
   """
   cfg = tiny.get_config()
   cfg.total_steps = cfg.eval_every = cfg.checkpoint_every = 200
+  cfg.warm_start.cache_dir = warm_start_cache_dir
   lines = []
   train(config_lib.from_config_dict(cfg), tmp_path, log=lambda *a, **k: lines.append(str(a)))
   evals = [(r['step'], r['eval_accuracy']) for r in read_metrics(tmp_path)
@@ -260,6 +261,17 @@ def test_command_line_typo_fails_naming_the_key(tmp_path):
       capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert out.returncode != 0
   assert 'rnak' in out.stderr + out.stdout
+
+
+def test_command_line_pre_split_key_names_its_new_key(tmp_path):
+  """--config.optim.rank (the flat section's key) says where it went: optim.logra.rank."""
+  out = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'experiments', 'train.py'),
+       f'--config={os.path.join(ROOT, "configs", "tiny.py")}', f'--workdir={tmp_path}',
+       '--config.optim.rank=3'],
+      capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert out.returncode != 0
+  assert "'optim.rank' is now optim.logra.rank" in out.stderr + out.stdout
   assert not os.path.exists(os.path.join(tmp_path, 'metrics.jsonl'))
 
 
