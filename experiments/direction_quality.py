@@ -21,6 +21,7 @@ The candidates (each a dense tree like the params; zero where a method does not 
                    projection, seed, step), U = the configured sketch optimizer (fresh state)
                    of the sketch S = A ∇L_a, i.e. what the trainer's step applies before α
   logra_rank_x4    the same with every rank 4x (capped at d_in)
+  logra_orthogonal the same with orthogonal rows (block SRHT) instead of the configured kind
   sketched_gradient −∇L_a on LoGRA's kernels only (what any kernel-only method could reach)
   random           a Gaussian direction (the control: its score is 0 within its s.e.)
 
@@ -65,10 +66,14 @@ def _zeros_except(params, flat_updates):
       {k: flat_updates.get(k, jnp.zeros_like(v)) for k, v in flat.items()})
 
 
-def logra_direction(optim, params, grad, seed: int, step: int, rank_scale: int = 1):
+def logra_direction(optim, params, grad, seed: int, step: int, rank_scale: int = 1,
+                    projection: str = ''):
   """Aᵀ U of the configured LoGRA (``optim``: an OptimSection) for the dense gradient
-  ``grad``: S = A G per sketched kernel, U from the sketch optimizer's fresh state."""
+  ``grad``: S = A G per sketched kernel, U from the sketch optimizer's fresh state
+  (``rank_scale``, ``projection``: the same with ranks scaled, another kind of A)."""
   lg = optim.logra
+  if projection:
+    lg = dataclasses.replace(lg, projection=projection)
   if rank_scale != 1:
     lg = dataclasses.replace(lg, rank=lg.rank * rank_scale, rank_rules=','.join(
         f'{p}={r * rank_scale}' for p, r in optimizers.parse_rank_rules(lg.rank_rules)))
@@ -102,6 +107,8 @@ def directions(cfg, params, grad, step: int, key) -> dict:
       'adamw': adamw_direction(cfg.optim, params, grad),
       'logra': logra_direction(cfg.optim, params, grad, cfg.seed, step),
       'logra_rank_x4': logra_direction(cfg.optim, params, grad, cfg.seed, step, 4),
+      'logra_orthogonal': logra_direction(cfg.optim, params, grad, cfg.seed, step,
+                                          projection='orthogonal'),
       'sketched_gradient': _zeros_except(params, {k: -v for k, v in flat_g.items()
                                                   if k in targets}),
       'random': jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
@@ -145,6 +152,11 @@ def summarize(per_pair: list) -> dict:
   adam = out['adamw']['score_mean']
   ratio = out['logra']['score_mean'] / adam if adam else float('nan')
   ratios = [p['logra']['score'] / p['adamw']['score'] for p in per_pair]
+  # Every candidate sees the same pairs: its score minus AdamW's, pair by pair, has a far
+  # smaller s.e. than either score (batch b's gradient moves both alike).
+  for name, o in out.items():
+    o['minus_adamw_mean'], o['minus_adamw_se'] = mean_se(
+        [p[name]['score'] - p['adamw']['score'] for p in per_pair])
   return {'directions': out, 'logra_over_adamw': ratio,
           'logra_over_adamw_per_pair': ratios}
 
@@ -197,7 +209,8 @@ def main(argv):
   out = probe(cfg, policy_dir, _PAIRS.value)
   for name, s in out['directions'].items():
     print(f"{name:18s} score {s['score_mean']:.4g} ± {s['score_se'] or float('nan'):.2g}  "
-          f"q {s['q_mean']:.3g}")
+          f"minus AdamW's (paired) {s['minus_adamw_mean']:.3g} ± "
+          f"{s['minus_adamw_se'] or float('nan'):.2g}  q {s['q_mean']:.3g}")
   print(f"LoGRA / AdamW score: {out['logra_over_adamw']:.3f}")
   path = os.path.join(_WORKDIR.value, 'direction_quality.json')
   with open(path, 'w') as f:

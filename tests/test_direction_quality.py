@@ -131,4 +131,7 @@ def test_summarize_reports_logra_over_adamw():
   s = dq.summarize(pairs)
   assert s['logra_over_adamw'] == pytest.approx(2.0 / 3.0)
   assert s['directions']['logra']['score_se'] == pytest.approx(1.0)
+  # Paired: LoGRA minus AdamW is -1 on both pairs: mean -1, s.e. 0.
+  assert s['directions']['logra']['minus_adamw_mean'] == pytest.approx(-1.0)
+  assert s['directions']['logra']['minus_adamw_se'] == pytest.approx(0.0)
   assert dataclasses.is_dataclass(OptimSection())
