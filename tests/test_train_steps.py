@@ -251,7 +251,7 @@ def test_logra_update_is_alpha_times_relative_row_adam_step_of_the_dense_gradien
   a_np, w = flat(a), {p: flat(params)[p] for p in flat(a)}
   s = dense_sketch(a, flat(grads))
   d = {p: row_adam_reference(x) for p, x in s.items()}
-  u = relative_step_reference(d, w, a_np, UPDATE_RATIO, LOGRA_SECTION.learning_rate)
+  u = relative_step_reference(d, w, a_np, UPDATE_RATIO, LOGRA_SECTION.logra.learning_rate)
   delta = {p: np.einsum('lrk,lrd->lkd', a_np[p], u[p]) for p in u}
   # The relative step's defining property: ‖Δ‖ = update_ratio · lr · ‖W‖ over all kernels.
   np.testing.assert_allclose(norm(delta), UPDATE_RATIO * norm(w), rtol=1e-12)
