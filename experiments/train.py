@@ -13,12 +13,19 @@ progress bar shows the step's train accuracy and the latest held-out pass@1; the
 a summary (held-out pass@1 at start, end and best step, wall time, where metrics.jsonl, the
 TensorBoard logs and the checkpoints are, and the experiments/plot_curves.py command).
 
+SIGTERM or SIGINT (a cluster's preemption, Ctrl-C) stops the run after the step in flight: it
+writes a checkpoint, prints "SIGTERM: stopped after step T of N, checkpoint in DIR; ..." and
+exits with code 128 + the signal's number (143 for SIGTERM, 130 for SIGINT, as a shell reports
+a process the signal ended; the run is not finished). The same command resumes exactly; a
+second Ctrl-C stops at once (the previous checkpoint stays the latest).
+
 Multi-host: start the same command on every host with --coordinator_address=HOST:PORT
 --num_processes=N --process_id=I (I = 0 … N−1); without them the run is one process.
 """
 import dataclasses
 import json
 import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -73,7 +80,9 @@ def main(argv):
   layout = parallel.layout_from_config(cfg.mesh)
   write_run_info(_WORKDIR.value, layout, cfg)
   with jax.set_mesh(layout.mesh):
-    train(cfg, _WORKDIR.value, progress=jax.process_index() == 0, layout=layout)
+    trainer = train(cfg, _WORKDIR.value, progress=jax.process_index() == 0, layout=layout)
+  if trainer.stopped_by:  # checkpointed after a stop signal (docstring: the exit code)
+    sys.exit(128 + signal.Signals[trainer.stopped_by])
 
 
 if __name__ == '__main__':

@@ -5,7 +5,10 @@ evaluation of the starting policy. Everything that decides step t's numbers — 
 optimizer state, data-iterator state, advantage baseline, mismatch EMA, and the seeds (derived
 from (seed, t)) — is in the checkpoint, so a resumed run repeats an uninterrupted one exactly.
 """
+import contextlib
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -27,6 +30,8 @@ from logra_jax.train.metrics import MetricWriter, read_metrics
 from logra_jax.train.rollout import Rollouts, assemble_batch
 
 TIMING_KEYS = ('step_time_s', 'tokens_per_s', 'generate_s', 'update_s', 'sync_s')
+# Signals that stop a run after its current step, with a checkpoint (`stop_on_signals`).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # rollout.engine -> a factory of the `logra_jax.rl.Generator`:
 # f(cfg, workdir, model_config, params, version, pad_id). The config's
@@ -124,6 +129,9 @@ class Trainer:
                              cfg.rollout.max_staleness)
     self.rollouts.set_state(self._pending)
     self.resumed = resumed
+    # A stop signal's number (set by `stop_on_signals`'s handler) and, once the loop stops for
+    # it, its name: the run ends after the current step, with a checkpoint.
+    self.stop_signal, self.stopped_by = None, None
 
   def _restore_or_init(self, params):
     latest = self.ckpt.latest_step()
@@ -223,7 +231,7 @@ class Trainer:
       last_eval = self._evaluate(0)
       self.writer.write(0, last_eval)
     bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not progress, desc='rl')
-    while self.step < cfg.total_steps:
+    while self.step < cfg.total_steps and not self._stop_requested():
       metrics = self.train_step()
       t = self.step
       if t % cfg.eval_every == 0 or t == cfg.total_steps:
@@ -235,7 +243,25 @@ class Trainer:
       bar.update(1)
       bar.set_postfix(progress_postfix(metrics, last_eval))
     bar.close()
+    if self.stopped_by is not None:
+      self._stop_with_checkpoint()
     self.log_summary(time.perf_counter() - self.started, self.step - first)
+
+  def _stop_requested(self) -> bool:
+    """Whether a stop signal reached any process (all processes stop after the same step)."""
+    if jax.process_count() > 1:
+      got = parallel.to_host(np.asarray([self.stop_signal or 0], np.int32))
+      self.stop_signal = int(np.max(got)) or None
+    if self.stop_signal and self.step < self.cfg.total_steps:
+      self.stopped_by = signal.Signals(self.stop_signal).name
+    return self.stopped_by is not None
+
+  def _stop_with_checkpoint(self):
+    """After a stop signal: the checkpoint of the last finished step (unless written)."""
+    if self.step and self.ckpt.latest_step() != self.step:
+      self.save()
+    self.log(f'{self.stopped_by}: stopped after step {self.step} of {self.cfg.total_steps}, '
+             f'checkpoint in {self.ckpt.directory}; the same command resumes from it')
 
   def _logged_eval(self) -> dict:
     """The latest held-out evaluation in the metrics file (a resumed run's bar shows it)."""
@@ -262,10 +288,36 @@ class Trainer:
     self.ckpt.close()
 
 
+@contextlib.contextmanager
+def stop_on_signals(trainer: Trainer):
+  """SIGTERM or SIGINT (a cluster's preemption, Ctrl-C) asks ``trainer`` to stop after the step
+  in flight, checkpoint and return (`Trainer.stopped_by`); a second SIGINT stops at once
+  (KeyboardInterrupt: the previous checkpoint stays the latest). Only in the main thread (where
+  Python runs signal handlers); the previous handlers come back after."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    del frame
+    if signum == signal.SIGINT and trainer.stop_signal:
+      raise KeyboardInterrupt
+    trainer.stop_signal = trainer.stop_signal or signum
+  previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+  try:
+    yield
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
 def train(cfg: TrainConfig, workdir: str, progress: bool = True, log=print, layout=None):
+  """Runs (or resumes) the run in ``workdir``; returns the `Trainer`. A stop signal ends it
+  early with a checkpoint: then ``trainer.stopped_by`` names the signal (`stop_on_signals`)."""
   trainer = Trainer(cfg, workdir, log, layout)
   try:
-    trainer.run(progress)
+    with stop_on_signals(trainer):
+      trainer.run(progress)
   finally:
     trainer.close()
   return trainer
