@@ -11,8 +11,10 @@ import subprocess
 import sys
 import time
 
+import jax
 import pytest
 
+from logra_jax.train import loop
 from logra_jax.train.checkpoint import Checkpointer
 from logra_jax.train.metrics import read_metrics
 from trainer_runs import (FORMAT_REWARD, format_reward, make_config, train,  # noqa: F401
@@ -97,3 +99,20 @@ def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(tmp_path, shar
   rows, full_rows = _rows(workdir), _rows(full.workdir)
   assert [r['step'] for r in rows] == list(range(TINY_FLAGS['total_steps'] + 1))
   assert [without_timing(r) for r in rows] == [without_timing(r) for r in full_rows]
+
+
+# -------------------------------------------------------------- multi-host on a fleet
+
+
+def test_a_fleet_with_several_processes_is_refused_naming_the_keys(tmp_path, monkeypatch):
+  """Every process would pause and update the same servers: refused before any is built."""
+  class Built(Exception):
+    pass
+
+  def fleet(*args):
+    raise Built('a FleetGenerator was built')
+  monkeypatch.setitem(loop.GENERATORS, 'http', fleet)
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  cfg = make_config(rollout__engine='http', rollout__launch=1)
+  with pytest.raises(ValueError, match=r'rollout\.engine=http .*2 processes'):
+    loop.Trainer(cfg, str(tmp_path), log=lambda *a: None)

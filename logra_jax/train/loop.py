@@ -52,6 +52,18 @@ def generator_class(engine: str):
   return GENERATORS[engine]
 
 
+def check_fleet_processes(cfg: TrainConfig):
+  """A fleet has one owner: with several processes each would pause and update the same
+  servers (and `device_get` weights spanning other hosts), so that is refused at start."""
+  n = jax.process_count()
+  if cfg.rollout.engine == 'http' and n > 1:
+    raise ValueError(
+        f'config key rollout.engine=http with {n} processes: every process would pause and '
+        'update the same servers (rollout.urls / rollout.launch). Run the fleet with one '
+        'trainer process, or rollout.engine=embedded on several (its rollouts are gathered '
+        'to every process)')
+
+
 def _seed(cfg, t, salt):
   return int(np.random.SeedSequence([cfg.seed, t, salt]).generate_state(1)[0])
 
@@ -101,6 +113,7 @@ class Trainer:
 
   def __init__(self, cfg: TrainConfig, workdir: str, log=print, layout=None):
     self.started = time.perf_counter()  # the summary's wall time: construction to the end
+    check_fleet_processes(cfg)
     self.cfg, self.workdir, self.log = cfg, workdir, log
     self.layout = layout or parallel.layout_from_config(cfg.mesh)
     checkpoint = tasks.load_checkpoint(cfg)  # model.path's host copy (None: a preset)
