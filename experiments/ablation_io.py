@@ -54,22 +54,8 @@ def train_config(cfg, overrides: Optional[dict] = None) -> config_lib.TrainConfi
   defaults (`config.switch_method`): the arm is that method's defaults plus its own keys."""
   values = (dataclasses.asdict(cfg) if isinstance(cfg, config_lib.TrainConfig) else
             cfg.to_dict() if isinstance(cfg, config_dict.ConfigDict) else dict(cfg))
-  overrides = dict(overrides or {})
-  name = overrides.pop('optim.name', values['optim']['name'])
-  if name != values['optim']['name']:
-    values = config_dict.ConfigDict(values)
-    config_lib.switch_method(values, name)
-    values = values.to_dict()
-  for key, value in overrides.items():
-    *parents, leaf = key.split('.')
-    node = values
-    for p in parents:
-      if not isinstance(node.get(p), dict):
-        raise ValueError(f'override {key!r}: no config section {p!r}')
-      node = node[p]
-    if leaf not in node:
-      raise ValueError(f'override {key!r}: unknown config key {leaf!r}')
-    node[leaf] = value
+  values = config_dict.ConfigDict(values)
+  config_lib.apply_overrides(values, overrides or {})
   return config_lib.from_config_dict(values)
 
 

@@ -23,7 +23,9 @@ from logra_jax.train.config import from_config_dict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
 PAPER = ('qwen2_5_math_1_5b', 'qwen2_5_math_7b', 'paper_27b_reasoning_gym')
-VARIANTS = {'smollm2_rg': ('smoke', 'adam', 'vllm'), 'qwen2_5_math_1_5b': ('adam',), 'qwen2_5_math_7b': ('adam',)}
+VARIANTS = {'smollm2_rg': ('smoke', 'adam', 'vllm'), 'qwen2_5_math_1_5b': ('adam',),
+            'qwen2_5_math_7b': ('adam',), 'tiny': ('fleet', 'adam'),
+            'compare_methods': ('tiny', 'smollm2', 'smoke')}
 
 
 def _name(path):

@@ -113,27 +113,27 @@ class LograSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class AdamSection:
-  """optim.adam.*: the dense AdamW baseline."""
+class _AdamW:
+  """The AdamW keys the dense baseline and LoRA each have (their own copy)."""
   learning_rate: float = 1e-4
   b1: float = 0.9
   b2: float = 0.95
   weight_decay: float = 0.0
   max_grad_norm: float = 0.0  # global-norm clipping (0: off)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamSection(_AdamW):
+  """optim.adam.*: the dense AdamW baseline."""
   trainable: str = 'all'    # | 'sketched': only the kernels LoGRA sketches train (the rest
   #   frozen, no optimizer state): "fewer trained parameters" apart from "sketch noise"
 
 
 @dataclasses.dataclass(frozen=True)
-class LoraSection:
+class LoraSection(_AdamW):
   """optim.lora.*: AdamW on LoRA adapters of the sketched kernels."""
-  learning_rate: float = 1e-4
   rank: int = 16
   alpha: float = 32.0
-  b1: float = 0.9
-  b2: float = 0.95
-  weight_decay: float = 0.0
-  max_grad_norm: float = 0.0  # global-norm clipping (0: off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +334,25 @@ def with_method(cfg: 'TrainConfig', name: str, **keys) -> 'TrainConfig':
       cfg.optim, name=name, **{m: c() for m, c in METHOD_SECTIONS.items()})
   o = dataclasses.replace(o, **{name: dataclasses.replace(getattr(o, name), **keys)})
   return dataclasses.replace(cfg, optim=o)
+
+
+def apply_overrides(cfg: config_dict.ConfigDict, overrides: dict) -> None:
+  """In place: {'section.key': value} overrides; an ``optim.name`` among them switches the
+  method first (`switch_method`), so the arm is that method's defaults plus its own keys."""
+  overrides = dict(overrides)
+  name = overrides.pop('optim.name', cfg.optim.name)
+  if name != cfg.optim.name:
+    switch_method(cfg, name)
+  for key, value in overrides.items():
+    *parents, leaf = key.split('.')
+    node = cfg
+    for p in parents:
+      if not isinstance(node.get(p), (dict, config_dict.ConfigDict)):
+        raise ValueError(f'override {key!r}: no config section {p!r}')
+      node = node[p]
+    if leaf not in node:
+      raise ValueError(f'override {key!r}: unknown config key {leaf!r}')
+    node[leaf] = value
 
 
 def switch_method(cfg: config_dict.ConfigDict, name: str) -> None:
