@@ -22,7 +22,8 @@ from trainer_runs import (assert_same_run, format_reward, make_config,  # noqa: 
 @pytest.mark.slow
 def test_fleet_run_equals_the_embedded_run_and_resumes(tmp_path):
   make = lambda **kw: make_config(**{'total_steps': 3, 'eval_every': 1,
-                                     'rollout__engine': 'http', 'rollout__launch': 2, **kw})
+                                     'rollout__engine': 'http', 'rollout__launch': 2,
+                                     'rollout__drift_check_every': 1, **kw})
   embedded = train(make(rollout__engine='embedded', rollout__launch=0), tmp_path / 'embedded')
   full, full_rows, resumed, rows = run_and_resume(make, tmp_path, stop_at=1)
   emb_rows = read_metrics(tmp_path / 'embedded')
@@ -33,12 +34,13 @@ def test_fleet_run_equals_the_embedded_run_and_resumes(tmp_path):
     if fleet_row['step']:
       np.testing.assert_allclose(fleet_row['loss'], emb_row['loss'], rtol=1e-5)
   # Every step after the first sent a low-rank update (never full weights) and the generators
-  # hold the trainer's weights to fp32 rounding.
+  # serve the trainer's weights to fp32 rounding (their fingerprints, asked every step).
   assert all(r['sync_full'] == 0.0 and r['sync_servers'] == 2 for r in full_rows[1:])
-  assert all(r['sync_drift'] < 1e-6 for r in full_rows[1:])
+  assert all(r['generator_drift'] < 1e-6 and r['generator_resyncs'] == 0
+             for r in full_rows[1:])
   # The resumed run repeats the uninterrupted one: the same rollouts, rewards and evaluations
   # exactly. The resumed generators restart from the trainer's exact weights (a full sync)
-  # where the uninterrupted ones hold them to ~1e-9 (sync_drift), so behaviour log-probs, and
+  # where the uninterrupted ones hold them to ~1e-9, so behaviour log-probs, and
   # with them the loss and the update, agree to float32 rounding rather than bit for bit.
   for row, ref in zip(rows, full_rows):
     for key in ('reward_mean', 'accuracy', 'response_length', 'eval_accuracy'):

@@ -19,7 +19,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from experiments import sync_bench
-from logra_jax.bridge import wire
+from logra_jax.bridge import fingerprint, wire
 from logra_jax.bridge.engine import JaxEngine
 from logra_jax.bridge.server import BridgeServer
 from logra_jax.models import api, gguf_io
@@ -492,3 +492,41 @@ def test_sync_bench_end_to_end_on_vllm(server, monkeypatch):
   # would leave a drift of the moved size (1.7e-3).
   assert drift['moved_rel'] > 1e-3, drift
   assert drift['vllm'] < 1e-6, drift
+
+
+def _fingerprint(url, k=4):
+  status, out = _req(url, f'/weight_info?fingerprint={k}', method='GET')
+  assert status == 200, out
+  return out
+
+
+def test_weight_info_fingerprints_the_served_weights_and_sees_one_perturbed_tensor(server,
+                                                                                   tmp_path):
+  """vLLM's fingerprint (fused groups split back into HF names; CPU-repacked linear weights
+  from the master copy) against numpy's float64 one of the checkpoint, on tensors no other
+  test changes; an authorised rogue update of one tensor (version kept) shows on it alone."""
+  url, weights, _ = server
+  info = _fingerprint(url)
+  assert info['dtype'] == 'float32' and set(info['fingerprint']) == set(weights)
+  assert 0 <= info['fingerprint_from_master'] <= len(weights)
+  kept = [n for n in weights if not wire.is_projection_weight(n)]  # norms, embeddings
+  want = fingerprint.fingerprint({n: weights[n] for n in kept})
+  tol = fingerprint.TOLERANCE['float32']
+  assert fingerprint.drift(want, {n: info['fingerprint'][n] for n in kept})[0] < tol / 10
+  version, name = _version(url), 'model.norm.weight'
+  rogue = weights[name] * (1 + 1e-2 * np.random.default_rng(0).standard_normal(
+      weights[name].shape)).astype(np.float32)
+  status, out = _send(url, {'path': _write(tmp_path, wire.encode_full({name: rogue}, version,
+                                                                      version))}, version)
+  assert status == 200 and _version(url) == version, out
+  after = _fingerprint(url)['fingerprint']
+  drift, worst = fingerprint.drift(info['fingerprint'], after)
+  assert worst == name and drift > tol
+  assert fingerprint.drift(info['fingerprint'], {**after, name: info['fingerprint'][name]}
+                           )[0] == 0.0
+  status, out = _send(url, {'path': _write(tmp_path, wire.encode_full(
+      {name: weights[name]}, version, version))}, version)
+  assert status == 200, out
+  assert fingerprint.drift(info['fingerprint'], _fingerprint(url)['fingerprint'])[0] == 0.0
+  for bad in ('x', '0', '65'):
+    assert _req(url, f'/weight_info?fingerprint={bad}', method='GET')[0] == 400

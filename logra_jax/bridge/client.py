@@ -183,6 +183,20 @@ class Fleet:
     return {'sync_servers': len(self.servers), 'sync_full_fallbacks': len(stale),
             'sync_bytes': len(blob), 'fleet_aborts_retried': aborts}
 
+  def weight_infos(self, k: int) -> list:
+    """Every server's `GET /weight_info?fingerprint=k` (version, dtype, fingerprint)."""
+    return list(self._pool.map(
+        lambda s: s.call('GET', f'/weight_info?fingerprint={int(k)}'), self.servers))
+
+  def resync(self, indices: Sequence[int], blob: bytes) -> int:
+    """Sends the full weights ``blob`` of the current version to the servers at ``indices``
+    (a full blob for their base: every tensor replaced, the version kept); returns how many."""
+    servers = [self.servers[i] for i in indices]
+    if servers:
+      with _BlobFile(blob, self.blob_dir) as path:
+        list(self._pool.map(lambda s: _push_one(s, path, self.version, strict=True), servers))
+    return len(servers)
+
   def close(self):
     self._pool.shutdown(wait=False)
 

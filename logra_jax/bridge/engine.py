@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from logra_jax.bridge import admission, device_apply, wire
+from logra_jax.bridge import admission, device_apply, device_fingerprint, wire
+from logra_jax.bridge import fingerprint as fp_lib
 from logra_jax.models.config import ModelConfig
 from logra_jax.rl.types import GenerationRequest, GenerationResult
 from logra_jax.sketch import projection
@@ -84,6 +85,19 @@ class JaxEngine:
       return {'weight_version': self._version, 'paused': self._paused,
               'update_in_progress': self._session is not None, 'num_tensors': len(self.spec),
               'last_update': dict(self.timings)}
+
+  def fingerprint(self, k: int = fp_lib.K) -> dict:
+    """The served weights' fingerprint (`fingerprint.py`), their version and dtype, from one
+    snapshot (an update committing meanwhile is not seen half-way)."""
+    if not 1 <= k <= 64:
+      raise EngineError(400, f'fingerprint must be an integer in [1, 64], got {k}')
+    with self._cond:
+      served, version = self._served, self._version
+      in_session = self._session is not None
+    dtypes = {jnp.dtype(v.dtype).name for v in served.values()}
+    return {'weight_version': version, 'update_in_progress': in_session,
+            'dtype': max(dtypes, key=lambda d: fp_lib.tolerance(d)), 'fingerprint_k': k,
+            'fingerprint': device_fingerprint.params_fingerprint(served, self.config, k)}
 
   @property
   def params(self):

@@ -1,7 +1,8 @@
 """The JAX engine as an HTTP server: vLLM's routes, so one trainer client drives both.
 
 Routes (every one but /health needs ``Authorization: Bearer <token>``):
-  GET  /health, /v1/models, /weight_info
+  GET  /health, /v1/models, /weight_info (?fingerprint=K: the served weights' fingerprint,
+                         `fingerprint.py`)
   POST /v1/completions   token-id prompts, n, seed, temperature, top_p, top_k, max_tokens,
                          stop_token_ids, logprobs, return_token_ids (OpenAI's subset the
                          trainer uses); every choice carries its `weight_version`
@@ -20,6 +21,7 @@ import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from logra_jax.bridge import admission
+from logra_jax.bridge import fingerprint as fp_lib
 from logra_jax.bridge.engine import EngineError, JaxEngine
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 
@@ -230,6 +232,18 @@ def _call(action, status):
   return route
 
 
+def _weight_info(srv, body, query):
+  """The version and state; with ``?fingerprint=K`` the served weights' fingerprint too."""
+  del body
+  if 'fingerprint' not in query:
+    return srv.engine.info()
+  try:
+    k = int(query['fingerprint'] or fp_lib.K)
+  except ValueError:
+    raise EngineError(400, 'fingerprint must be an integer') from None
+  return dict(srv.engine.info(), **srv.engine.fingerprint(k))
+
+
 def _models(srv, body, query):
   del body, query
   return {'object': 'list', 'data': [{'id': srv.model_name, 'object': 'model',
@@ -238,7 +252,7 @@ def _models(srv, body, query):
 
 ROUTES = {
     ('GET', '/v1/models'): _models,
-    ('GET', '/weight_info'): lambda srv, body, query: srv.engine.info(),
+    ('GET', '/weight_info'): _weight_info,
     ('POST', '/v1/completions'): _completions,
     ('POST', '/pause'): _call(lambda e, b, q: e.pause(q.get('mode', 'abort')), 'paused'),
     ('POST', '/resume'): _call(lambda e, b, q: e.resume(), 'resumed'),

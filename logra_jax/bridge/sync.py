@@ -1,4 +1,4 @@
-"""Trainer state → update blobs (HF names and layouts), and the generator mirror for drift.
+"""Trainer state → update blobs (HF names and layouts); `Mirror`, a host reference for tests.
 
 Our kernels are (d_in, d_out) stacked over layers; HF weights are (d_out, d_in) per layer. A
 LoGRA step adds α·Aᵀ U to kernel l, i.e. W_l ← W_l + (α U_l)ᵀ A_l in HF layout: the blob's
@@ -54,7 +54,9 @@ def lowrank_blob(u_tree, config: ModelConfig, *, seed: int, step: int, kind: str
 
 
 class Mirror:
-  """What the generators hold: the last full weights plus every low-rank delta, in fp32."""
+  """What a generator should hold: the last full weights plus every low-rank delta, in fp32
+  on the host (a full copy of the model: tests' reference only; the trainer asks the servers
+  for their fingerprints instead, `fingerprint.py`)."""
 
   def __init__(self, params, config: ModelConfig):
     self.config = config

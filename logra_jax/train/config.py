@@ -58,6 +58,10 @@ class RolloutSection:
   blob_dir: str = ''        # where update blobs are written for the servers to read: a
   #   directory they share (servers on other hosts; docs/bridge.md); '': shared memory/temp
   u_dtype: str = 'fp32'     # low-rank U on the wire: fp32 | bf16 | fp8-e4m3 | int4
+  # every K steps each server's fingerprint of the weights it serves (GET /weight_info) is
+  # compared with the trainer's: generator_drift logged, a server past the tolerance re-synced
+  # in full (generator_resyncs; docs/bridge.md). 0: never checked
+  drift_check_every: int = 10
   # 0: on-policy. s > 0: step t+s's rollouts are generated during step t's update, by the
   # weights before it (staleness s; TIS corrects it; train/rollout.py `Rollouts`)
   max_staleness: int = 0

@@ -5,8 +5,9 @@
 starting policy. After each step `sync` broadcasts the update: LoGRA's α·U as a low-rank blob
 (A rebuilt by every server from the step's seed and the HF names), full weights for the dense
 baselines, after a 409, and every `rollout.full_sync_every` steps (the anchor). It logs the
-bytes, the time and the drift between the trainer's weights and the generators' (the mirror
-holds exactly what the servers computed: the same fp32 arithmetic on the same blobs).
+bytes and the time, and every `rollout.drift_check_every` steps the drift of the weights the
+generators serve from the trainer's (`generator_drift`, from each server's fingerprint,
+`bridge/fingerprint.py`): a server past the tolerance gets full weights (`generator_resyncs`).
 """
 import os
 import secrets
@@ -17,7 +18,8 @@ import time
 
 import jax
 
-from logra_jax.bridge import sync
+from logra_jax.bridge import device_fingerprint, sync
+from logra_jax.bridge import fingerprint as fp_lib
 from logra_jax.bridge.client import Fleet, ServerClient
 from logra_jax.models import hf_io
 from logra_jax.train.config import TrainConfig
@@ -91,7 +93,8 @@ class FleetGenerator:
       urls, self._procs = launch_servers(model_dir, r.launch, token, fleet_dir, pad_id,
                                          r.launch_platform)
     self.fleet = Fleet(urls, token, blob_dir=r.blob_dir or None)
-    self.mirror = sync.Mirror(params, model_config)
+    if r.drift_check_every < 0:
+      raise ValueError('config key rollout.drift_check_every must be >= 0 (0: never)')
     self._full_sync(params, version)
 
   @property
@@ -106,9 +109,7 @@ class FleetGenerator:
 
   def _full_sync(self, params, version):
     blob = self._full_blob(params, version)
-    stats = self.fleet.push(blob, version, full_blob=lambda: blob)
-    self.mirror.apply(blob, str(self.fleet.version))
-    return stats
+    return self.fleet.push(blob, version, full_blob=lambda: blob)
 
   def update_weights(self, params, version: int, update=None) -> dict:
     """Sends step ``version``'s update (``update`` = (α·U tree, seed, step, kind), or None
@@ -122,15 +123,34 @@ class FleetGenerator:
       blob = sync.lowrank_blob(u, self.config, seed=seed, step=step, kind=projection_kind,
                                base_version=self.fleet.version, new_version=version,
                                u_dtype=self.cfg.rollout.u_dtype)
-      base = str(self.fleet.version)
       stats = self.fleet.push(blob, version, full_blob=lambda: self._full_blob(params, version))
-      if stats['sync_full_fallbacks']:
-        self.mirror = sync.Mirror(params, self.config)
-      else:
-        self.mirror.apply(blob, base)
       kind = 0.0
-    return dict(stats, sync_full=kind, sync_s=time.perf_counter() - start,
-                sync_drift=self.mirror.drift(params))
+    stats = dict(stats, sync_full=kind, sync_s=time.perf_counter() - start)
+    check = self.cfg.rollout.drift_check_every
+    if check and version % check == 0:
+      stats.update(self.check_drift(params))
+    return stats
+
+  def check_drift(self, params) -> dict:
+    """Compares every server's fingerprint of its served weights with the trainer's ``params``
+    and sends full weights to any past the tolerance (or at another version). Returns
+    generator_drift (max over servers and tensors, relative), generator_resyncs (servers
+    re-synced now) and drift_check_s."""
+    start = time.perf_counter()
+    infos = self.fleet.weight_infos(fp_lib.K)
+    mine = device_fingerprint.params_fingerprint(params, self.config)
+    dtype = max({str(x.dtype) for x in jax.tree.leaves(params)}, key=fp_lib.tolerance)
+    drifts, stale = [], []
+    for i, info in enumerate(infos):
+      drift, _ = fp_lib.drift(mine, info.get('fingerprint') or {})
+      drifts.append(drift)
+      if (drift > fp_lib.tolerance(dtype, info.get('dtype', 'bfloat16'))
+          or str(info.get('weight_version')) != str(self.fleet.version)):
+        stale.append(i)
+    if stale:
+      self.fleet.resync(stale, self._full_blob(params, self.fleet.version))
+    return {'generator_drift': max(drifts), 'generator_resyncs': float(len(stale)),
+            'drift_check_s': time.perf_counter() - start}
 
   def close(self):
     self.fleet.close()

@@ -32,7 +32,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                      initialize_layerwise_reload)
 
-from logra_vllm.refs import admission, projection, wire
+from logra_vllm.refs import admission, fingerprint, projection, wire
 
 logger = init_logger(__name__)
 
@@ -60,6 +60,39 @@ def read_checkpoint(directory: str) -> dict:
       for name in f.keys():
         out[name] = f.get_tensor(name).float().numpy()
   return out
+
+
+FUSED_ORDER = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'),
+               'gate_up_proj': ('gate_proj', 'up_proj')}
+
+
+def _served_slice(params: dict, name: str, spec: dict):
+  """The served parameter of HF tensor ``name`` (its rows of a fused one), or None."""
+  prefix, _, leaf = name.rpartition('.')
+  module_path, _, proj = prefix.rpartition('.')
+  fused = wire.FUSED.get(proj)
+  if fused is None:
+    return params.get(name)
+  param = params.get(f'{module_path}.{fused}.{leaf}')
+  if param is None:
+    return None
+  start = 0
+  for member in FUSED_ORDER[fused]:
+    rows = spec[f'{module_path}.{member}.{leaf}'][0]
+    if member == proj:
+      return param[start:start + rows] if param.shape[0] >= start + rows else None
+    start += rows
+  return None
+
+
+@torch.no_grad()
+def _torch_fingerprint(name: str, x, k: int) -> list:
+  """`fingerprint.tensor_fingerprint` of a torch tensor, in float64 on its device."""
+  rows, cols = fingerprint.sign_vectors(name, tuple(x.shape), k)
+  w = x.to(torch.float64).reshape(rows.shape[1], cols.shape[1])
+  y = w @ torch.from_numpy(cols).to(w.device).T  # (d_out, k)
+  proj = (torch.from_numpy(rows).to(w.device).T * y).sum(0)
+  return [float(torch.linalg.vector_norm(w))] + [float(p) for p in proj.cpu()]
 
 
 class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateInfo]):
@@ -110,6 +143,38 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
                                                  'error': self.refusal[1]}
     return {'version': self.version, 'pending': self.pending, 'refusal': refusal,
             'in_session': self._undo is not None, 'last_apply_s': self.last_apply_s}
+
+  def served_tensors(self) -> tuple:
+    """({HF name: the served tensor (torch, on its device) or its fp32 master copy (numpy)},
+    the names read from the master copy).
+
+    A fused parameter (qkv_proj, gate_up_proj) is split back into its HF tensors by rows, in
+    `FUSED_ORDER`, the way `load_weights` stacks them. A tensor whose parameter is not readable
+    at its full HF shape (vLLM's CPU backend repacks linear weights for oneDNN and empties the
+    parameter; tensor parallelism shards it) is taken from the fp32 master copy, which is what
+    the last load put there.
+    """
+    params = dict(self.model.named_parameters())
+    out, from_master = {}, []
+    for name, shape in self.spec.items():
+      x = _served_slice(params, name, self.spec)
+      if x is None or tuple(x.shape) != shape:
+        out[name] = self.master[name]
+        from_master.append(name)
+      else:
+        out[name] = x.detach()
+    return out, from_master
+
+  def fingerprint(self, k: int) -> dict:
+    """The served weights' fingerprint (`fingerprint.py`, float64, computed where each
+    tensor lives: only K + 1 numbers a tensor leave the device), version and dtype."""
+    tensors, from_master = self.served_tensors()
+    dtype = str(self.model_config.dtype).replace('torch.', '')
+    fps = {name: _torch_fingerprint(name, x, k) if isinstance(x, torch.Tensor)
+           else fingerprint.tensor_fingerprint(name, x, k) for name, x in tensors.items()}
+    return {'weight_version': self.version, 'update_in_progress': self._undo is not None,
+            'dtype': dtype, 'fingerprint_k': k, 'fingerprint_from_master': len(from_master),
+            'fingerprint': fps}
 
   def drift(self, path: str) -> dict:
     """{'num': Σ‖W_ref − W‖², 'den': Σ‖W_ref‖², 'tensors'} of the fp32 master against the

@@ -34,3 +34,7 @@ class LograWorkerExtension:
   def logra_drift(self, path: str) -> dict:
     """{'num', 'den', 'tensors'}: this worker's fp32 master against the safetensors at path."""
     return self._logra_engine().drift(path)
+
+  def logra_fingerprint(self, k: str) -> dict:
+    """The served weights' fingerprint (`logra_jax/bridge/fingerprint.py`) with K = int(k)."""
+    return self._logra_engine().fingerprint(int(k))

@@ -5,6 +5,8 @@
   anyone). A refused request gets 401 and reaches nothing.
 * Only the routes of `ROUTES` exist (the OpenAI routes the trainer uses, the RL update
   lifecycle, /weight_info, /health): every other route is 404 and websockets are closed.
+  /weight_info?fingerprint=K is answered here: the served weights' fingerprint
+  (`logra_jax/bridge/fingerprint.py`), the `logra_fingerprint` worker call.
   vLLM registers its RL routes only with VLLM_SERVER_DEV_MODE=1, which also opens
   /collective_rpc (any worker method), /sleep, /reset_prefix_cache …; the launcher runs without
   it and this middleware adds the RL router itself on the first request. /collective_rpc is
@@ -40,6 +42,7 @@ import asyncio
 import hmac
 import json
 import os
+import urllib.parse
 
 OPEN_PATHS = ('/health',)
 ROUTES = frozenset({
@@ -159,7 +162,26 @@ class LograMiddleware:
           400, 'weight versions are set by /finish_weight_update {"weight_version"}'))
     if path == '/v1/completions':
       return await self._completions(scope, receive, send)
+    if path == '/weight_info' and b'fingerprint=' in scope.get('query_string', b''):
+      return await self._fingerprint(engine, scope, send)
     return await self.app(scope, receive, send)
+
+  async def _fingerprint(self, engine, scope, send):
+    """/weight_info?fingerprint=K: the served weights' fingerprint (`fingerprint.py`) from
+    the engine (worker 0), with its version, dtype and state."""
+    query = urllib.parse.parse_qs(scope.get('query_string', b'').decode('latin-1'))
+    try:
+      k = int(query['fingerprint'][0])
+    except (KeyError, ValueError, IndexError):
+      return await _send_json(send, 400, _error(400, 'fingerprint must be an integer'))
+    if not 1 <= k <= 64:
+      return await _send_json(send, 400, _error(
+          400, f'fingerprint must be an integer in [1, 64], got {k}'))
+    async with self._window_lock:  # no window opens (no weight changes) while it is read
+      info = (await engine.collective_rpc('logra_fingerprint', args=(str(k),)))[0]
+      info['update_in_progress'] = self._window or info['update_in_progress']
+    info['paused'] = await engine.is_paused()
+    return await _send_json(send, 200, info)
 
   def _add_rl_routes(self, app):
     """vLLM's RL router (/pause, /start_weight_update …), which vLLM itself registers only in

@@ -1,5 +1,6 @@
 """The repo's numpy-only modules, loaded by file path (the `logra_jax` package needs JAX):
-the update checks both engines share (`admission`), the payload (`wire`) and `projection`."""
+the update checks both engines share (`admission`), the payload (`wire`), `projection` and
+the weight fingerprint (`fingerprint`)."""
 import importlib.util
 import os
 
@@ -20,3 +21,4 @@ def _load(name: str, relpath: str):
 admission = _load('logra_admission', 'logra_jax/bridge/admission.py')
 wire = _load('logra_wire', 'logra_jax/bridge/wire.py')
 projection = _load('logra_projection', 'logra_jax/sketch/projection.py')
+fingerprint = _load('logra_fingerprint', 'logra_jax/bridge/fingerprint.py')
