@@ -29,6 +29,7 @@ from logra_jax.sketch import projection
 from logra_jax.models.generator import JaxGenerator
 
 PAUSE_MODES = ('abort', 'wait', 'keep')
+PAUSE_TIMEOUT_S = 300.0  # the longest a request waits out a pause, or a pause in-flight work
 
 
 def _sharding(x):
@@ -55,8 +56,13 @@ class _Session:
 class JaxEngine:
   """Thread-safe generation + weight transfer over one model's params."""
 
-  def __init__(self, config: ModelConfig, params, pad_id: int = 0, version: str = '0'):
+  def __init__(self, config: ModelConfig, params, pad_id: int = 0, version: str = '0',
+               pause_timeout_s: float = PAUSE_TIMEOUT_S):
+    """``pause_timeout_s``: a request arriving while paused waits at most this long for
+    `resume` (then 503: a trainer that paused and died hangs no client); `pause` waits at most
+    this long for the in-flight requests (then 503, and the pause is undone)."""
     self.config, self.pad_id = config, pad_id
+    self.pause_timeout_s = pause_timeout_s
     flat = traverse_util.flatten_dict(params)
     self._dtypes = {p: jnp.dtype(v.dtype) for p, v in flat.items()}
     # A copy (the caller's params may be donated later: the trainer's step does), committed
@@ -139,7 +145,10 @@ class JaxEngine:
   # --- generation -------------------------------------------------------------------------
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
     with self._cond:
-      self._cond.wait_for(lambda: not self._paused)
+      if not self._cond.wait_for(lambda: not self._paused, timeout=self.pause_timeout_s):
+        raise EngineError(503, f'generation has been paused for more than '
+                               f'{self.pause_timeout_s:g} s (a weight update with no /resume '
+                               'yet): try again later')
       self._in_flight += 1
       gen, epoch = self._gen, self._abort_epoch
     try:
@@ -161,11 +170,16 @@ class JaxEngine:
     if mode not in PAUSE_MODES:
       raise EngineError(400, f'pause mode must be one of {PAUSE_MODES}, got {mode!r}')
     with self._cond:
-      self._paused = True
+      was_paused, self._paused = self._paused, True
       if mode == 'abort':
         self._abort_epoch += 1
-      if mode != 'keep':
-        self._cond.wait_for(lambda: self._in_flight == 0)
+      if mode != 'keep' and not self._cond.wait_for(lambda: self._in_flight == 0,
+                                                    timeout=self.pause_timeout_s):
+        self._paused = was_paused
+        self._cond.notify_all()
+        raise EngineError(503, f'pause(mode={mode}): {self._in_flight} requests still in '
+                               f'flight after {self.pause_timeout_s:g} s; not paused (use '
+                               'mode=keep to pause without waiting)')
 
   def resume(self):
     with self._cond:

@@ -21,6 +21,11 @@ _DTYPE = flags.DEFINE_string('dtype', 'float32', 'Compute and storage dtype.')
 _MAX_UPDATE = flags.DEFINE_integer('max_update_bytes', 8 << 30, 'Largest update blob (413).')
 _PORT_FILE = flags.DEFINE_string('port_file', None, 'Write the URL here once serving.')
 _PAD = flags.DEFINE_integer('pad_id', 0, 'Padding token id.')
+_PAUSE_TIMEOUT = flags.DEFINE_float(
+    'pause_timeout_s', 300.0, 'Longest wait of a request for /resume, and of /pause for the '
+    'in-flight requests (then 503).')
+_SOCKET_TIMEOUT = flags.DEFINE_float(
+    'socket_timeout_s', 120.0, 'Longest a read or write on a connection may block.')
 flags.mark_flag_as_required('model')
 
 
@@ -30,10 +35,12 @@ def main(argv):
   if not token:
     raise app.UsageError('set LOGRA_BRIDGE_TOKEN or --token: every route but /health needs it')
   model = api.load(_MODEL.value, dtype=_DTYPE.value)
-  engine = JaxEngine(model.config, model.params, pad_id=_PAD.value)
+  engine = JaxEngine(model.config, model.params, pad_id=_PAD.value,
+                     pause_timeout_s=_PAUSE_TIMEOUT.value)
   server = BridgeServer(engine, token, _HOST.value, _PORT.value,
                         model_name=os.path.basename(_MODEL.value.rstrip('/')),
-                        max_update_bytes=_MAX_UPDATE.value)
+                        max_update_bytes=_MAX_UPDATE.value,
+                        socket_timeout_s=_SOCKET_TIMEOUT.value)
   print(f'serving {_MODEL.value} on {server.url}', flush=True)
   if _PORT_FILE.value:
     tmp = _PORT_FILE.value + '.tmp'

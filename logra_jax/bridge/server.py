@@ -11,7 +11,9 @@ Routes (every one but /health needs ``Authorization: Bearer <token>``):
        /update_weights {"update_info": {"path"} | {"url"}} (checked by `admission`),
        /finish_weight_update {"weight_version"?}
 Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "code"}}``: 401 no/bad token,
-413 too large, 409 stale base, 400 anything malformed. Binds 127.0.0.1 unless told otherwise.
+413 too large, 409 stale base, 400 anything malformed, 503 paused too long (the engine's
+``pause_timeout_s``). Every socket read and write is bounded (``socket_timeout_s``): no client
+holds a handler thread forever. Binds 127.0.0.1 unless told otherwise.
 """
 import hmac
 import json
@@ -26,6 +28,7 @@ from logra_jax.bridge.engine import EngineError, JaxEngine
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 
 MAX_JSON_BYTES = 4 << 20
+SOCKET_TIMEOUT_S = 120.0  # a connection idle (or sending nothing) this long is closed
 
 
 class BridgeServer(ThreadingHTTPServer):
@@ -33,11 +36,16 @@ class BridgeServer(ThreadingHTTPServer):
 
   def __init__(self, engine: JaxEngine, token: str, host: str = '127.0.0.1', port: int = 0,
                model_name: str = 'logra', max_update_bytes: int = admission.DEFAULT_MAX_BYTES,
-               update_dirs: tuple = (), update_origins: tuple = (), tokenizer=None):
+               update_dirs: tuple = (), update_origins: tuple = (), tokenizer=None,
+               socket_timeout_s: float = SOCKET_TIMEOUT_S):
+    """``socket_timeout_s``: the longest a read or write on a connection may block (a client
+    that connects and sends nothing, or stops mid-request, releases its thread then); a request
+    waiting out a pause is bounded by the engine's ``pause_timeout_s``."""
     if not token:
       raise ValueError('the bridge server needs a token (LOGRA_BRIDGE_TOKEN or --token)')
     super().__init__((host, port), _Handler)
     self.engine, self.token, self.model_name = engine, token, model_name
+    self.socket_timeout_s = socket_timeout_s
     self.max_update_bytes, self.tokenizer = max_update_bytes, tokenizer
     self.update_dirs = admission.update_dirs(update_dirs)
     self.update_origins = admission.update_origins(update_origins)
@@ -124,6 +132,10 @@ def completion_response(results, model_name, want_logprobs, tokenizer=None) -> d
 class _Handler(BaseHTTPRequestHandler):
   server: BridgeServer
   protocol_version = 'HTTP/1.1'
+
+  def setup(self):
+    self.timeout = self.server.socket_timeout_s  # StreamRequestHandler: socket.settimeout
+    super().setup()
 
   def log_message(self, *args):  # quiet: the trainer logs what matters
     pass
