@@ -530,3 +530,79 @@ def test_weight_info_fingerprints_the_served_weights_and_sees_one_perturbed_tens
   assert fingerprint.drift(info['fingerprint'], _fingerprint(url)['fingerprint'])[0] == 0.0
   for bad in ('x', '0', '65'):
     assert _req(url, f'/weight_info?fingerprint={bad}', method='GET')[0] == 400
+
+
+_FAILED_RELOAD = r'''
+import os, sys, tempfile, types
+import numpy as np, torch
+sys.path.insert(0, os.path.join(sys.argv[1], 'third_party', 'vllm'))
+import logra_vllm.engine as eng
+from logra_vllm.refs import projection, wire
+
+eng.initialize_layerwise_reload = lambda model: None  # the fake model loads tensor by tensor
+eng.finalize_layerwise_reload = lambda model, config: None
+rng = np.random.default_rng(0)
+shapes = {'q_proj': (8, 8), 'k_proj': (8, 8), 'v_proj': (8, 8), 'o_proj': (8, 8),
+          'gate_proj': (16, 8), 'up_proj': (16, 8), 'down_proj': (8, 16)}
+master = {f'model.layers.{i}.{"mlp" if "p_proj" in p or "down" in p else "self_attn"}.{p}.weight':
+          rng.standard_normal(s).astype(np.float32) for i in range(4) for p, s in shapes.items()}
+
+
+class Model:
+  """Served weights by HF name; load_weights raises at the first tensor of layer FAIL."""
+  def __init__(self, fail):
+    self.weights, self.fail = {n: torch.from_numpy(w.copy()) for n, w in master.items()}, fail
+
+  def load_weights(self, weights):
+    for name, x in weights:
+      if self.fail is not None and name.startswith(f'model.layers.{self.fail}.'):
+        self.fail = None
+        raise RuntimeError('injected: the reload of this layer failed')
+      self.weights[name] = x.clone()
+
+
+engine = eng.LograWeightTransferEngine.__new__(eng.LograWeightTransferEngine)
+engine.master = {n: w.copy() for n, w in master.items()}
+engine.spec = {n: w.shape for n, w in master.items()}
+engine.max_bytes, engine.token, engine.last_apply_s = 1 << 30, '', None
+engine.update_dirs, engine.update_origins = (tempfile.gettempdir(),), ()
+engine.version, engine.pending, engine.refusal, engine._undo = '0', None, None, None
+engine.model_config = types.SimpleNamespace(dtype=torch.float32, model='')
+engine.model = Model(fail=int(sys.argv[2]))
+u = {n: (0.1 * rng.standard_normal((w.shape[0], 2))).astype(np.float32) for n, w in master.items()}
+blob = wire.encode_lowrank(u, {n: w.shape[1] for n, w in master.items()}, seed=1, step=1,
+                           kind='rademacher', base_version=0, new_version=1, projection=projection)
+fd, path = tempfile.mkstemp(suffix='.safetensors', dir=tempfile.gettempdir())
+os.write(fd, blob)
+os.close(fd)
+engine.start_weight_update()
+engine.update_weights({'path': path})
+refused = engine.refusal
+engine.finish_weight_update()
+same = lambda n: torch.equal(engine.model.weights[n], torch.from_numpy(master[n]))
+served_same = all(same(n) for n in master)
+master_same = all(np.array_equal(engine.master[n], w) for n, w in master.items())
+version = engine.version
+# The same update again, no fault: it applies (the server is usable).
+engine.start_weight_update()
+engine.update_weights({'path': path})
+ok = engine.refusal is None and engine.commit() == '1'
+engine.finish_weight_update()
+moved = not any(same(n) for n in master)
+os.unlink(path)
+print('RESULT', refused is not None and refused[0], served_same, master_same, version, ok,
+      moved, engine.version)
+'''
+
+
+@pytest.mark.parametrize('layer', [0, 2])
+def test_a_reload_failing_on_layer_k_restores_every_touched_layer(layer):
+  """The logra engine in vLLM's environment on a stand-in model whose load raises at layer
+  ``layer`` of 4 (layers before it already reloaded): the update is refused (500), every
+  served tensor and the master copy are byte-identical to before, the version is kept, and
+  the same update applies afterwards."""
+  out = subprocess.run([VENV, '-c', _FAILED_RELOAD, REPO, str(layer)], capture_output=True,
+                       text=True, timeout=600, check=False)
+  result = [line for line in out.stdout.splitlines() if line.startswith('RESULT')]
+  assert result, out.stdout[-2000:] + out.stderr[-4000:]
+  assert result[0].split()[1:] == ['500', 'True', 'True', '0', 'True', 'True', '1'], result

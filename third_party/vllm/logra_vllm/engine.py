@@ -12,7 +12,9 @@ guarantees every touched fused group (qkv_proj, gate_up_proj) is reloaded whole.
 
 A refused update is not raised to vLLM (vLLM would end the session, and the client's
 /finish_weight_update would fail): it is recorded, the session's earlier updates are rolled
-back, and the middleware answers /update_weights with its HTTP status and message. A session
+back, and the middleware answers /update_weights with its HTTP status and message. A reload
+that fails part-way (the layers before the failure already reloaded) reloads every touched
+tensor from the master copy and is refused with 500. A session
 is kept only if /finish_weight_update names its new_version (the middleware then calls
 `commit`); a finish without one rolls it back, as on the JAX engine server.
 """
@@ -225,7 +227,10 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
         raise admission.Refused(400, f'tensor {name} would become non-finite after the '
                                      'update')
     start = time.perf_counter()
-    self._load(new)
+    try:
+      self._load(new)
+    except Exception as e:  # pylint: disable=broad-except  # layers before it were reloaded
+      self._restore(new, e)
     for name in new:
       self._undo.setdefault(name, self.master[name])
     self.master.update(new)
@@ -243,6 +248,22 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
           (name, torch.from_numpy(tensors[name]).to(dtype)) for name in sorted(tensors))
     finally:
       finalize_layerwise_reload(self.model, self.model_config)
+
+  def _restore(self, names, error: Exception) -> None:
+    """After a layerwise reload of ``names`` failed part-way (the layers before the failure
+    hold the new values): reloads every one of them from the master copy, which the update had
+    not touched yet, then refuses the update (500) so the session fails and rolls back."""
+    logger.error('logra: the layerwise reload failed (%s); restoring %d tensors', error,
+                 len(names))
+    try:
+      self._load({name: self.master[name] for name in names})
+    except Exception as again:
+      raise RuntimeError(f'logra: the layerwise reload failed ({error}) and restoring the '
+                         f'touched tensors failed too ({again}): the served weights are not '
+                         f'version {self.version}; restart this server') from again
+    raise admission.Refused(500, f'the layerwise reload failed ({type(error).__name__}: '
+                                 f'{error}); every touched tensor was reloaded from the '
+                                 'master copy (weights and version unchanged)')
 
   def _rollback(self) -> None:
     """Reloads the master values of before the session for every tensor it changed."""
