@@ -12,7 +12,7 @@ fingerprints estimates the relative distance of the weights,
     drift(W_a, W_b) = max(|‖W_a‖ − ‖W_b‖|, sqrt(mean_k (fp_k(W_a) − fp_k(W_b))²)) / ‖W_a‖,
 
 and one perturbed element δ moves each r_kᵀ W c_k by ±δ. K + 1 float64 numbers per tensor:
-at K = 4, 40 bytes a tensor, 8.4 KB for SmolLM2-135M's 211 tensors.
+at K = 4, 40 bytes a tensor, 10.9 KB for SmolLM2-135M's 272 tensors.
 
 numpy and the standard library only: vLLM's plug-in loads this file by path (`refs.py`).
 """
@@ -25,12 +25,12 @@ import numpy as np
 K = 4  # projections per tensor
 # Relative drift tolerated before a server is re-synced, by the coarser of the trainer's and
 # the server's weight dtypes (docs/bridge.md "Drift from the generators"), 5x or more above
-# what a faithful server shows times the K = 4 estimate's spread (its square is ‖E‖²·χ²_4/4,
-# below 4.6x at 99.9 %: the estimate below 2.2x the true drift). fp32: low-rank applies in
-# fp32 in another summation order (numpy on vLLM, XLA here), ~1e-7 relative per step, a random
-# walk over 10^4 steps without an anchor ~1e-5 (x2.2: 2.2e-5). bf16 / fp16 serving: every
-# weight rounded, unit roundoff 2^-8 / 2^-11, ~1.6e-3 / 2e-4 relative RMS (x2.2: 3.5e-3 /
-# 4.4e-4). A bf16 trainer with stochastic rounding random-walks away from an fp32 server by
+# what a faithful server shows times the K = 4 estimate's spread (for a noise-like E, as
+# rounding is, its square is ‖E‖²·χ²_4/4, below 4.6x at 99.9 %: the estimate below 2.2x the
+# true drift). fp32: low-rank applies in fp32 in another summation order (numpy on vLLM, XLA
+# here), ~1e-7 relative per step, a random walk over 10^4 steps without an anchor ~1e-5 (x2.2:
+# 2.2e-5). bf16 / fp16 serving: every weight rounded, unit roundoff 2^-8 / 2^-11, ~1.6e-3 /
+# 2e-4 relative RMS (x2.2: 3.5e-3 / 4.4e-4). A bf16 trainer with stochastic rounding random-walks away from an fp32 server by
 # up to one bf16 ulp per step: past 2e-2 after ~100 steps, when the re-sync is an anchor.
 TOLERANCE = {'float32': 1e-4, 'float16': 5e-3, 'bfloat16': 2e-2}
 
