@@ -30,8 +30,9 @@ K = 4  # projections per tensor
 # true drift). fp32: low-rank applies in fp32 in another summation order (numpy on vLLM, XLA
 # here), ~1e-7 relative per step, a random walk over 10^4 steps without an anchor ~1e-5 (x2.2:
 # 2.2e-5). bf16 / fp16 serving: every weight rounded, unit roundoff 2^-8 / 2^-11, ~1.6e-3 /
-# 2e-4 relative RMS (x2.2: 3.5e-3 / 4.4e-4). A bf16 trainer with stochastic rounding random-walks away from an fp32 server by
-# up to one bf16 ulp per step: past 2e-2 after ~100 steps, when the re-sync is an anchor.
+# 2e-4 relative RMS (x2.2: 3.5e-3 / 4.4e-4). A bf16 trainer with stochastic rounding
+# random-walks away from an fp32 server by up to one bf16 ulp per step: past 2e-2 after ~100
+# steps, when the re-sync is an anchor.
 TOLERANCE = {'float32': 1e-4, 'float16': 5e-3, 'bfloat16': 2e-2}
 
 
