@@ -17,7 +17,9 @@ SIGTERM or SIGINT (a cluster's preemption, Ctrl-C) stops the run after the step 
 writes a checkpoint, prints "SIGTERM: stopped after step T of N, checkpoint in DIR; ..." and
 exits with code 128 + the signal's number (143 for SIGTERM, 130 for SIGINT, as a shell reports
 a process the signal ended; the run is not finished). The same command resumes exactly; a
-second Ctrl-C stops at once (the previous checkpoint stays the latest).
+second Ctrl-C stops at once (the previous checkpoint stays the latest). On a fleet
+(rollout.engine=http) with no generation server left up, the run checkpoints its last finished
+step, names the servers and exits with code 1; the same command resumes.
 
 Multi-host: start the same command on every host with --coordinator_address=HOST:PORT
 --num_processes=N --process_id=I (I = 0 … N−1); without them the run is one process.
@@ -74,13 +76,17 @@ def main(argv):
   _distributed()
   import jax  # pylint: disable=g-import-not-at-top
   from logra_jax import parallel  # pylint: disable=g-import-not-at-top
+  from logra_jax.bridge.client import FleetDown  # pylint: disable=g-import-not-at-top
   from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
   from logra_jax.train.loop import train  # pylint: disable=g-import-not-at-top
   cfg = from_config_dict(_CONFIG.value)
   layout = parallel.layout_from_config(cfg.mesh)
   write_run_info(_WORKDIR.value, layout, cfg)
   with jax.set_mesh(layout.mesh):
-    trainer = train(cfg, _WORKDIR.value, progress=jax.process_index() == 0, layout=layout)
+    try:
+      trainer = train(cfg, _WORKDIR.value, progress=jax.process_index() == 0, layout=layout)
+    except FleetDown as e:  # checkpointed and said so (`Trainer._stop_on_fleet_down`)
+      sys.exit(f'stopped: {e}')
   if trainer.stopped_by:  # checkpointed after a stop signal (docstring: the exit code)
     sys.exit(128 + signal.Signals[trainer.stopped_by])
 

@@ -13,6 +13,10 @@ that landed with 200). A start or an update that may have reached the server is 
 it raises. Completions that come back aborted (empty, `finish_reason` abort: another client
 paused the server with mode abort) are requested again, at most `ABORT_RETRIES` times, and
 counted; they never reach the trainer.
+
+A server that fails in transit (the client's retries spent: dead, or not answering) is marked
+down: its requests go to the servers that are up, updates skip it, and it serves again only
+after `Fleet.rejoin` (full weights first). No server up: `FleetDown`, naming every server.
 """
 import concurrent.futures
 import http.client
@@ -41,6 +45,15 @@ class BridgeError(RuntimeError):
   def __init__(self, url: str, status: int, message: str):
     super().__init__(f'{url}: HTTP {status}: {message}')
     self.url, self.status, self.message = url, status, message
+
+
+class FleetDown(RuntimeError):
+  """No generation server is up; ``servers``: {url: why it was marked down}."""
+
+  def __init__(self, servers: dict):
+    self.servers = dict(servers)
+    super().__init__('no generation server is up: ' + '; '.join(
+        f'{url} ({why})' for url, why in self.servers.items()))
 
 
 class ServerClient:
@@ -141,19 +154,54 @@ class Fleet:
     if not urls:
       raise ValueError('a fleet needs at least one server URL')
     self.servers = [ServerClient(u, token) for u in urls]
-    self.model, self.version, self.blob_dir = model, 0, blob_dir
+    self.model, self.version, self.blob_dir, self.token = model, 0, blob_dir, token
     self.aborts_retried = 0  # completions requested again because they came back aborted
     self._count = threading.Lock()
+    self._down = {}  # index -> why the server was marked down (the client's error)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency * len(urls))
 
   @property
   def weight_version(self) -> int:
     return self.version
 
+  @property
+  def servers_up(self) -> int:
+    return len(self.servers) - len(self._down)
+
+  def down(self) -> list:
+    """The indices of the servers marked down."""
+    with self._count:
+      return sorted(self._down)
+
+  def _up(self) -> list:
+    with self._count:
+      up = [i for i in range(len(self.servers)) if i not in self._down]
+      if not up:
+        raise FleetDown({self.servers[i].url: why for i, why in sorted(self._down.items())})
+      return up
+
+  def mark_down(self, i: int, error: Exception):
+    with self._count:
+      self._down.setdefault(i, str(error))
+
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-    futures = [self._pool.submit(self._complete, self.servers[i % len(self.servers)], r)
-               for i, r in enumerate(requests)]
+    up = self._up()
+    futures = [self._pool.submit(self._complete_on_any, up[k % len(up)], r)
+               for k, r in enumerate(requests)]
     return [res for f in futures for res in f.result()]
+
+  def _complete_on_any(self, i: int, request: GenerationRequest) -> list:
+    """`_complete` on server ``i``, else (marked down on a transit failure) on another that
+    is up: a request's seed makes its completions the same on any server."""
+    while True:
+      try:
+        return self._complete(self.servers[i], request)
+      except BridgeError as e:
+        if e.status:  # the server answered: a refusal, not a fault of the server
+          raise
+        self.mark_down(i, e)
+      up = self._up()
+      i = up[i % len(up)]
 
   def _complete(self, server: ServerClient, request: GenerationRequest) -> list:
     """One request's choices, none aborted (requested again; raises after ABORT_RETRIES)."""
@@ -170,32 +218,73 @@ class Fleet:
                                      f'back aborted {ABORT_RETRIES + 1} times')
 
   def push(self, blob: bytes, version: int, full_blob: Callable[[], bytes]) -> dict:
-    """Broadcasts one update; servers answering 409 get ``full_blob()``. Returns counts."""
+    """Broadcasts one update to the servers up; those answering 409 get ``full_blob()``, those
+    failing in transit are marked down (`FleetDown` when none is left). Returns counts."""
+    up = self._up()
     with _BlobFile(blob, self.blob_dir) as path:
-      results = list(self._pool.map(lambda s: _push_one(s, path, version), self.servers))
-    stale = [s for s, r in zip(self.servers, results) if r == 409]
+      results = self._push_each(up, path, version)
+    stale = [i for i, r in zip(up, results) if r == 409]
     if stale:
       with _BlobFile(full_blob(), self.blob_dir) as path:
-        list(self._pool.map(lambda s: _push_one(s, path, version, strict=True), stale))
+        self._push_each(stale, path, version, strict=True)
+    self._up()
     self.version = version
     with self._count:
       aborts, self.aborts_retried = self.aborts_retried, 0
-    return {'sync_servers': len(self.servers), 'sync_full_fallbacks': len(stale),
-            'sync_bytes': len(blob), 'fleet_aborts_retried': aborts}
+    return {'sync_servers': len(up), 'sync_full_fallbacks': len(stale),
+            'sync_bytes': len(blob), 'fleet_aborts_retried': aborts,
+            'fleet_servers_up': self.servers_up}
+
+  def _push_each(self, indices: Sequence[int], path: str, version: int, strict=False) -> list:
+    """`_push_one` on each server at ``indices``; one failing in transit is marked down."""
+    def push(i):
+      try:
+        return _push_one(self.servers[i], path, version, strict)
+      except BridgeError as e:
+        if e.status:
+          raise
+        self.mark_down(i, e)
+        return None
+    return list(self._pool.map(push, indices))
+
+  def rejoin(self, i: int, blob: bytes, url: Optional[str] = None) -> bool:
+    """Server ``i`` (at ``url`` when it moved: a relaunch) serves again once the full weights
+    ``blob`` of the current version are committed on it; False (still down) if they are not."""
+    if url:
+      self.servers[i] = ServerClient(url, self.token)
+    with _BlobFile(blob, self.blob_dir) as path:
+      try:
+        _push_one(self.servers[i], path, self.version, strict=True)
+      except BridgeError as e:
+        with self._count:
+          self._down[i] = str(e)
+        return False
+    with self._count:
+      self._down.pop(i, None)
+    return True
 
   def weight_infos(self, k: int) -> list:
-    """Every server's `GET /weight_info?fingerprint=k` (version, dtype, fingerprint)."""
-    return list(self._pool.map(
-        lambda s: s.call('GET', f'/weight_info?fingerprint={int(k)}'), self.servers))
+    """Every server's `GET /weight_info?fingerprint=k` (version, dtype, fingerprint); None for
+    a server that is down (or fails in transit now: then marked down)."""
+    def info(i):
+      if i in self._down:
+        return None
+      try:
+        return self.servers[i].call('GET', f'/weight_info?fingerprint={int(k)}')
+      except BridgeError as e:
+        if e.status:
+          raise
+        self.mark_down(i, e)
+        return None
+    return list(self._pool.map(info, range(len(self.servers))))
 
   def resync(self, indices: Sequence[int], blob: bytes) -> int:
     """Sends the full weights ``blob`` of the current version to the servers at ``indices``
     (a full blob for their base: every tensor replaced, the version kept); returns how many."""
-    servers = [self.servers[i] for i in indices]
-    if servers:
+    if indices:
       with _BlobFile(blob, self.blob_dir) as path:
-        list(self._pool.map(lambda s: _push_one(s, path, self.version, strict=True), servers))
-    return len(servers)
+        self._push_each(indices, path, self.version, strict=True)
+    return len(indices)
 
   def close(self):
     self._pool.shutdown(wait=False)

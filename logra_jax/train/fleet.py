@@ -8,6 +8,11 @@ baselines, after a 409, and every `rollout.full_sync_every` steps (the anchor). 
 bytes and the time, and every `rollout.drift_check_every` steps the drift of the weights the
 generators serve from the trainer's (`generator_drift`, from each server's fingerprint,
 `bridge/fingerprint.py`): a server past the tolerance gets full weights (`generator_resyncs`).
+
+A server the client marked down (dead, or not answering) is brought back between steps: a
+launched one is relaunched (killed first if it still runs) and a `rollout.urls` one is asked
+for /health; either serves again only after full weights of the current version
+(`Fleet.rejoin`). Logged per step: `fleet_servers_up`, `fleet_rejoined`.
 """
 import os
 import secrets
@@ -20,7 +25,7 @@ import jax
 
 from logra_jax.bridge import device_fingerprint, sync
 from logra_jax.bridge import fingerprint as fp_lib
-from logra_jax.bridge.client import Fleet, ServerClient
+from logra_jax.bridge.client import BridgeError, Fleet, ServerClient
 from logra_jax.models import hf_io
 from logra_jax.train.config import TrainConfig
 
@@ -38,19 +43,9 @@ def launch_servers(model_dir: str, n: int, token: str, log_dir: str, pad_id: int
   They run on ``platform`` (JAX_PLATFORMS; '': the trainer's own, `server_platform`).
   """
   procs, files = [], []
-  env = dict(os.environ, LOGRA_BRIDGE_TOKEN=token, JAX_PLATFORMS=server_platform(platform),
-             XLA_FLAGS='')  # one device each, whatever the trainer simulates
-  # On a shared accelerator each JAX process would take 75% of its memory at start: the
-  # servers (and the trainer beside them) allocate as they go instead.
-  env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
   for i in range(n):
-    port_file = os.path.join(log_dir, f'server{i}.url')
-    if os.path.exists(port_file):
-      os.unlink(port_file)
-    log = open(os.path.join(log_dir, f'server{i}.log'), 'w')
-    procs.append(subprocess.Popen(
-        [sys.executable, '-m', 'logra_jax.bridge.serve', f'--model={model_dir}', '--port=0',
-         f'--port_file={port_file}', f'--pad_id={pad_id}'], stdout=log, stderr=log, env=env))
+    proc, port_file = start_server(i, model_dir, token, log_dir, pad_id, platform)
+    procs.append(proc)
     files.append(port_file)
   deadline = time.monotonic() + 300
   while not all(os.path.exists(f) for f in files):
@@ -62,6 +57,25 @@ def launch_servers(model_dir: str, n: int, token: str, log_dir: str, pad_id: int
   for url in urls:
     ServerClient(url, token).wait_healthy()
   return urls, procs
+
+
+def start_server(i: int, model_dir: str, token: str, log_dir: str, pad_id: int = 0,
+                 platform: str = '', log_mode: str = 'w'):
+  """Starts server ``i`` (`launch_servers`) without waiting; returns (process, the file its
+  URL is written to once it serves). ``log_mode`` 'a': a relaunch keeps the old log."""
+  env = dict(os.environ, LOGRA_BRIDGE_TOKEN=token, JAX_PLATFORMS=server_platform(platform),
+             XLA_FLAGS='')  # one device each, whatever the trainer simulates
+  # On a shared accelerator each JAX process would take 75% of its memory at start: the
+  # servers (and the trainer beside them) allocate as they go instead.
+  env.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
+  port_file = os.path.join(log_dir, f'server{i}.url')
+  if os.path.exists(port_file):
+    os.unlink(port_file)
+  log = open(os.path.join(log_dir, f'server{i}.log'), log_mode)
+  proc = subprocess.Popen(
+      [sys.executable, '-m', 'logra_jax.bridge.serve', f'--model={model_dir}', '--port=0',
+       f'--port_file={port_file}', f'--pad_id={pad_id}'], stdout=log, stderr=log, env=env)
+  return proc, port_file
 
 
 def stop_servers(procs):
@@ -81,6 +95,7 @@ class FleetGenerator:
                pad_id: int = 0):
     r = cfg.rollout
     self.cfg, self.config, self._procs = cfg, model_config, []
+    self._starting = {}  # index of a relaunched server -> its port file (not serving yet)
     token = os.environ.get('LOGRA_BRIDGE_TOKEN') or (secrets.token_hex(16) if r.launch else '')
     if not token:
       raise ValueError('rollout.urls servers need LOGRA_BRIDGE_TOKEN in the environment')
@@ -92,6 +107,7 @@ class FleetGenerator:
                                            params, model_config)
       urls, self._procs = launch_servers(model_dir, r.launch, token, fleet_dir, pad_id,
                                          r.launch_platform)
+      self._relaunch = (model_dir, token, fleet_dir, pad_id, r.launch_platform)
     self.fleet = Fleet(urls, token, blob_dir=r.blob_dir or None)
     if r.drift_check_every < 0:
       raise ValueError('config key rollout.drift_check_every must be >= 0 (0: never)')
@@ -129,7 +145,51 @@ class FleetGenerator:
     check = self.cfg.rollout.drift_check_every
     if check and version % check == 0:
       stats.update(self.check_drift(params))
+    stats.update(self.revive(params))
     return stats
+
+  def revive(self, params) -> dict:
+    """Servers marked down that can serve again get full weights of the current version and
+    rejoin (`_ready`; never waits for one to start). Returns fleet_servers_up, fleet_rejoined."""
+    rejoined, blob = 0, None
+    for i in self.fleet.down():
+      url = self._ready(i)
+      if url is None:
+        continue
+      if blob is None:
+        blob = self._full_blob(params, self.fleet.version)
+      rejoined += self.fleet.rejoin(i, blob, url or None)
+    return {'fleet_servers_up': float(self.fleet.servers_up),
+            'fleet_rejoined': float(rejoined)}
+
+  def _ready(self, i: int):
+    """Down server ``i``'s URL once it answers /health ('': its URL is unchanged), else None.
+    A launched server is first relaunched (killed if it still runs: it stopped answering)."""
+    if not self._procs:
+      try:
+        self.fleet.servers[i].wait_healthy(timeout_s=0)
+        return ''
+      except BridgeError:
+        return None
+    if i not in self._starting:
+      if self._procs[i].poll() is None:
+        self._procs[i].kill()
+        self._procs[i].wait()
+      self._procs[i], self._starting[i] = start_server(i, *self._relaunch, log_mode='a')
+      return None
+    if self._procs[i].poll() is not None:  # died while starting: relaunched next step
+      del self._starting[i]
+      return None
+    if not os.path.exists(self._starting[i]):
+      return None
+    with open(self._starting[i]) as f:
+      url = f.read().strip()
+    try:
+      ServerClient(url, self.fleet.token).wait_healthy(timeout_s=0)
+    except BridgeError:
+      return None
+    del self._starting[i]
+    return url
 
   def check_drift(self, params) -> dict:
     """Compares every server's fingerprint of its served weights with the trainer's ``params``
@@ -142,6 +202,8 @@ class FleetGenerator:
     dtype = max({str(x.dtype) for x in jax.tree.leaves(params)}, key=fp_lib.tolerance)
     drifts, stale = [], []
     for i, info in enumerate(infos):
+      if info is None:  # down: full weights when it rejoins (`revive`)
+        continue
       drift, _ = fp_lib.drift(mine, info.get('fingerprint') or {})
       drifts.append(drift)
       if (drift > fp_lib.tolerance(dtype, info.get('dtype', 'bfloat16'))
@@ -149,7 +211,7 @@ class FleetGenerator:
         stale.append(i)
     if stale:
       self.fleet.resync(stale, self._full_blob(params, self.fleet.version))
-    return {'generator_drift': max(drifts), 'generator_resyncs': float(len(stale)),
+    return {'generator_drift': max(drifts, default=float('nan')), 'generator_resyncs': float(len(stale)),
             'drift_check_s': time.perf_counter() - start}
 
   def close(self):
