@@ -80,17 +80,19 @@ def _run_until_signalled(workdir, env, sig, after_step: int, timeout_s: float = 
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_and_the_same_command_resumes_exactly(tmp_path, shared_xla_env):
-  """SIGTERM after step 1: the step in flight finishes, a checkpoint is written, the process
-  says so and exits with 128 + SIGTERM; the same command resumes, and its metrics are those
-  of an uninterrupted run (timing keys apart)."""
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT], ids=['SIGTERM', 'SIGINT'])
+def test_a_stop_signal_checkpoints_and_the_same_command_resumes_exactly(tmp_path,
+                                                                      shared_xla_env, sig):
+  """SIGTERM (or SIGINT) after step 1: the step in flight finishes, a checkpoint is written,
+  the process says so and exits with 128 + the signal; the same command resumes, and its
+  metrics are those of an uninterrupted run (timing keys apart)."""
   env = dict(os.environ, **shared_xla_env)
   workdir = tmp_path / 'run'
-  rc, out = _run_until_signalled(workdir, env, signal.SIGTERM, after_step=1)
-  assert rc == 128 + signal.SIGTERM, out
+  rc, out = _run_until_signalled(workdir, env, sig, after_step=1)
+  assert rc == 128 + sig, out
   stopped = Checkpointer(str(workdir)).latest_step()
   assert stopped is not None and 1 <= stopped < TINY_FLAGS['total_steps'], out
-  assert f'SIGTERM: stopped after step {stopped}' in out, out
+  assert f'{sig.name}: stopped after step {stopped}' in out, out
   assert [r['step'] for r in _rows(workdir)] == list(range(stopped + 1))
   resumed = subprocess.run(_command(workdir), cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=600)
