@@ -35,11 +35,15 @@ import ablation_io
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = 'compare_methods'
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'configs/compare_methods.py[:TASK]')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'The study directory.')
-_MAX_RUNS = flags.DEFINE_integer('max_runs', 0, 'Train at most this many runs now (0: all).')
-_REPORT_ONLY = flags.DEFINE_bool('report_only', False, 'Only aggregate the finished runs.')
-flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def define_flags():
+  """The command line's flags (defined when run as a script, not when imported)."""
+  config_flags.DEFINE_config_file('config', None, 'configs/compare_methods.py[:TASK]')
+  flags.DEFINE_string('workdir', None, 'The study directory.')
+  flags.DEFINE_integer('max_runs', 0, 'Train at most this many runs now (0: all).')
+  flags.DEFINE_bool('report_only', False, 'Only aggregate the finished runs.')
+  flags.mark_flags_as_required(['config', 'workdir'])
 
 
 # ------------------------------------------------------------------------------- statistics
@@ -153,7 +157,8 @@ def finished_runs(workdir: str, study: dict, total_steps: dict, path: str, task:
       s = run_summary(rows, total_steps[arm])
       if s is not None:
         out[arm][seed] = dict(s, wall_s=_read_wall(d) or None,
-                              command=' '.join(command(path, task, arm, seed, workdir)[1:]))
+                              command=' '.join(command(path, task, arm, seed, workdir)[1:])
+                              .replace(ROOT + os.sep, ''))  # relative to the repository
   return out
 
 
@@ -225,20 +230,21 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   path, task = config_arg(flags.FLAGS['config'])
   study = ablation_io.settings(flags.FLAGS['config'])
-  workdir = os.path.abspath(_WORKDIR.value)
+  workdir = os.path.abspath(flags.FLAGS.workdir)
+  max_runs, report_only = flags.FLAGS.max_runs, flags.FLAGS.report_only
   from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   module = _load(path)
   cfgs = {arm: config_lib.from_config_dict(module.get_config(f'{task}/{arm}'))
           for arm in study['arms']}
   total = {arm: c.total_steps for arm, c in cfgs.items()}
   done = 0
-  if not _REPORT_ONLY.value:
+  if not report_only:
     for seed in study['seeds']:
       for arm in study['arms']:
         d = run_dir(workdir, arm, seed)
         if finished_runs(workdir, {'arms': [arm], 'seeds': [seed]}, total, path, task)[arm]:
           continue
-        if _MAX_RUNS.value and done >= _MAX_RUNS.value:
+        if max_runs and done >= max_runs:
           break
         train_run(command(path, task, arm, seed, workdir), d,
                   os.path.join(workdir, 'xla_cache'), print)
@@ -266,4 +272,5 @@ def _load(path):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

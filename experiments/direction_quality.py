@@ -163,11 +163,13 @@ def summarize(per_pair: list) -> dict:
 
 # ------------------------------------------------------------------------------------ main
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'A training config (its LoGRA).')
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Where the probe writes (and its policy runs).')
-_FROM = flags.DEFINE_string('from_workdir', '', 'A run directory: probe its latest checkpoint.')
-_PAIRS = flags.DEFINE_integer('pairs', 8, 'Batch pairs (2 x pairs rollout batches).')
-flags.mark_flags_as_required(['config', 'workdir'])
+def define_flags():
+  """The command line's flags (defined when run as a script, not when imported)."""
+  config_flags.DEFINE_config_file('config', None, 'A training config (its LoGRA).')
+  flags.DEFINE_string('workdir', None, 'Where the probe writes (and its policy runs).')
+  flags.DEFINE_string('from_workdir', '', 'A run directory: probe its latest checkpoint.')
+  flags.DEFINE_integer('pairs', 8, 'Batch pairs (2 x pairs rollout batches).')
+  flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
@@ -200,23 +202,26 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
-  cfg = from_config_dict(_CONFIG.value)
+  f = flags.FLAGS
+  cfg = from_config_dict(f.config)
   if cfg.optim.name != 'logra':
     raise app.UsageError('direction_quality.py probes a LoGRA config (optim.name=logra)')
-  policy_dir = os.path.join(_WORKDIR.value, 'policy')
-  if _FROM.value and not os.path.exists(policy_dir):
-    shutil.copytree(_FROM.value, policy_dir, ignore=shutil.ignore_patterns('*.jsonl', 'events*'))
-  out = probe(cfg, policy_dir, _PAIRS.value)
+  policy_dir = os.path.join(f.workdir, 'policy')
+  if f.from_workdir and not os.path.exists(policy_dir):
+    shutil.copytree(f.from_workdir, policy_dir,
+                    ignore=shutil.ignore_patterns('*.jsonl', 'events*'))
+  out = probe(cfg, policy_dir, f.pairs)
   for name, s in out['directions'].items():
     print(f"{name:18s} score {s['score_mean']:.4g} ± {s['score_se'] or float('nan'):.2g}  "
           f"minus AdamW's (paired) {s['minus_adamw_mean']:.3g} ± "
           f"{s['minus_adamw_se'] or float('nan'):.2g}  q {s['q_mean']:.3g}")
   print(f"LoGRA / AdamW score: {out['logra_over_adamw']:.3f}")
-  path = os.path.join(_WORKDIR.value, 'direction_quality.json')
+  path = os.path.join(f.workdir, 'direction_quality.json')
   with open(path, 'w') as f:
     json.dump(out, f, indent=1)
   print(json.dumps({k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank')}))
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

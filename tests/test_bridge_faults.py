@@ -24,7 +24,7 @@ import pytest
 from safetensors.numpy import save
 
 from logra_jax.bridge import admission, client, wire
-from logra_jax.bridge.client import BridgeError, Fleet, ServerClient
+from logra_jax.bridge.client import BridgeError, Fleet, FleetDown, ServerClient
 from logra_jax.bridge.engine import JaxEngine
 from logra_jax.bridge.server import BridgeServer
 from logra_jax.models import get_preset, init_params
@@ -326,7 +326,9 @@ def test_a_finish_whose_answer_is_lost_is_retried_and_the_push_succeeds():
       fleet.push(_lowrank(engine, 0, 1), 1, full_blob=lambda: None)
       assert engine.weight_version == '1' and seen.count('/finish_weight_update') == 2
       Drop.drop = {'/update_weights'}
-      with pytest.raises(BridgeError, match='not repeated'):
+      # Its only server's state unknown, the fleet marks it down (to rejoin after a full sync):
+      # FleetDown, naming the server and why.
+      with pytest.raises(FleetDown, match='not repeated'):
         fleet.push(_lowrank(engine, 1, 2), 2, full_blob=lambda: None)
       assert seen.count('/update_weights') == 2  # one per push: the second never repeated
       assert engine.weight_version == '1' and not engine.info()['update_in_progress']
@@ -360,7 +362,7 @@ def test_aborted_completions_are_requested_again_and_counted(monkeypatch):
       monkeypatch.setattr(engine, 'generate', lambda reqs: [dataclasses.replace(
           r, completion_token_ids=(), behaviour_logprobs=(), finish_reason='abort')
           for r in generate(reqs)])
-      with pytest.raises(BridgeError, match='aborted'):
+      with pytest.raises(FleetDown, match='aborted'):  # its only server marked down
         fleet.generate(requests)
     finally:
       fleet.close()
