@@ -12,12 +12,28 @@ import weakref
 import jax
 import numpy as np
 import pytest
+import tokenizers
+import transformers
 
 from logra_jax import models
 from logra_jax.models import hf_io
 from logra_jax.train import tasks
 from logra_jax.train.config import TrainConfig
-from test_weights import chat_tokenizer  # noqa: E402  the word-level chat tokenizer
+
+
+def chat_tokenizer():
+  """A word-level tokenizer: eos <|endoftext|> (2), turns end with <|im_end|> (4)."""
+  words = ['<unk>', '<s>', '<|endoftext|>', '<|im_start|>', '<|im_end|>', 'user', 'assistant']
+  word = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {w: i for i, w in enumerate(words)}, unk_token='<unk>'))
+  word.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  word.add_special_tokens(['<|endoftext|>', '<|im_start|>', '<|im_end|>'])
+  tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, eos_token='<|endoftext|>',
+                                             unk_token='<unk>', pad_token='<unk>')
+  tok.chat_template = ('{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}'
+                       '<|im_end|>\n{% endfor %}'
+                       '{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}')
+  return tok
 
 
 @pytest.fixture
