@@ -21,7 +21,9 @@ The arms: `logra` (the task config's LoGRA as it is), dense AdamW at three learn
 around the task config's (the sweep: the best of them is the reference every arm is compared
 with, paired by seed), and `adam_sketched`: AdamW on the kernels LoGRA sketches only
 (optim.adam.trainable='sketched', the middle learning rate), which separates "fewer trained
-parameters" from "sketch noise".
+parameters" from "sketch noise". Tiny also has the levers' arms: `logra_m0.9_T10` and
+`logra_m0.9_T100`, LoGRA with A held for 10 / 100 steps and sketch-space momentum 0.9 carried
+across its redraws (optim.logra.refresh_every, optim.logra.momentum; sketch/momentum.py).
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -64,6 +66,10 @@ def ablation(arg=None) -> dict:
   arms = {'logra': {}}
   arms.update({f'adam_lr{lr:g}': _adam(lr) for lr in lrs})
   arms['adam_sketched'] = _adam(lrs[1], 'sketched')
+  if task == 'tiny':  # the levers (issue 23, item 4), fixed before their runs
+    for every in (10, 100):  # A held `every` steps, momentum carried across redraws
+      arms[f'logra_m0.9_T{every}'] = {'optim.logra.momentum': 0.9,
+                                      'optim.logra.refresh_every': every}
   if task == 'smoke':
     arms = {'logra': {}, f'adam_lr{lrs[1]:g}': _adam(lrs[1])}
     seeds = (0, 1)

@@ -295,16 +295,18 @@ def test_int_is_accepted_for_a_float_key():
   assert cfg.optim.logra.learning_rate == 1.0 and isinstance(cfg.optim.logra.learning_rate, float)
 
 
-def test_momentum_needs_fixed_projections():
-  with pytest.raises(ValueError, match=r'optim\.logra\.momentum'):
-    config_lib.from_config_dict(config_dict(optim__logra__momentum=0.9))
-  with pytest.raises(ValueError, match=r'optim\.logra\.momentum'):
+def test_momentum_needs_constant_ranks_and_a_decay_below_one():
+  with pytest.raises(ValueError, match=r'optim\.logra\.momentum needs constant ranks'):
     config_lib.from_config_dict(config_dict(optim__logra__momentum=0.9,
-                                            optim__logra__refresh=False,
                                             optim__logra__rank_delta=4))
+  with pytest.raises(ValueError, match=r'optim\.logra\.momentum must be in \[0, 1\)'):
+    config_lib.from_config_dict(config_dict(optim__logra__momentum=1.0))
+  with pytest.raises(ValueError, match=r'optim\.logra\.refresh_every must be > 0'):
+    config_lib.from_config_dict(config_dict(optim__logra__refresh_every=0))
+  # Refreshed A is fine: the moments follow it (sketch.momentum).
   cfg = config_lib.from_config_dict(config_dict(optim__logra__momentum=0.9,
-                                                optim__logra__refresh=False))
-  assert cfg.optim.logra.momentum == 0.9
+                                                optim__logra__refresh_every=10))
+  assert (cfg.optim.logra.momentum, cfg.optim.logra.refresh_every) == (0.9, 10)
 
 
 def test_tiny_config_validates():

@@ -121,3 +121,48 @@ def test_logra_method_needs_a_uint32_seed(tiny):
   cfg = from_config_dict(dict(default_config().to_dict(), seed=2**32))
   with pytest.raises(ValueError, match=r'config key seed must lie in \[0, 2\*\*32\)'):
     methods.logra_method(cfg, model)
+
+
+def test_momentum_follows_a_redrawn_a_in_the_device_step(tiny):
+  """refresh_every=2 with sketch-space momentum, steps t = 1, 2, 3 (A of step 0, 2, 2): the
+  device step carries the moments into step 2's basis with M = A_2 A_0⁺ from an A_0 it draws
+  itself at the state's old step, bit for bit as the host step handed that M, and records
+  the basis it left them in."""
+  mc, model, params, batch = tiny
+  o = dataclasses.replace(SECTION, refresh_every=2, momentum=0.9)
+  opt = optimizers.logra_optimizer(OptimSection(logra=o), total_steps=10)
+  names = hf_io.projection_name_fn(mc)
+  spec = optimizers.projection_spec(o, 0, names)
+  device_step = steps.make_logra_step(model, LOSS, opt, SC, spec)
+  update = steps.logra_update_fn(model, LOSS, opt, SC)
+  # A_old an argument (traced), as the device step's: a closed-over constant would be folded.
+  host_step = jax.jit(lambda p, s, b, a, a_old, budget, key, basis: update(
+      p, s, b, a, budget, key, basis=basis,
+      basis_change=lambda _: sketch.basis_transfer(a, a_old)), donate_argnums=(0, 1))
+  a_at = lambda t: optimizers.projections_at(o, params, SEED, t, names)
+  init = opt.init(sketch.zero_probes(params, a_at(0)))
+  copy = lambda tree: jax.tree.map(jnp.array, tree)
+  dev = host = (params, init)
+  for t in (1, 2, 3):
+    a_step, old_step = optimizers.projection_step(o, t), optimizers.projection_step(o, t - 1)
+    a, a_old = a_at(t), a_at(t - 1)
+    host_out = host_step(*copy(host), batch, a, a_old, np.float32(1e-4), jax.random.key(t),
+                         np.uint32(a_step))
+    dev_out = device_step(*copy(dev), batch, np.uint32(SEED), np.uint32(a_step),
+                          np.float32(1e-4), jax.random.key(t))
+    assert float(dev_out[2]['skipped']) == 0
+    assert_bitwise_equal(dev_out, host_out)
+    moment = dev_out[1][1]  # the chain's states: RowAdam, momentum, learning rate
+    assert isinstance(moment, sketch.SketchMomentumState)
+    assert (int(moment.basis), int(moment.count)) == (a_step, t)
+    assert old_step == (0 if t < 3 else 2)
+    dev, host = dev_out[:2], host_out[:2]
+  assert device_step.jitted._cache_size() == 1  # pylint: disable=protected-access
+
+
+def test_projection_step_holds_a_for_refresh_every_steps():
+  held = dataclasses.replace(SECTION, refresh_every=3)
+  assert [optimizers.projection_step(held, t) for t in range(8)] == [0, 0, 0, 3, 3, 3, 6, 6]
+  assert [optimizers.projection_step(SECTION, t) for t in range(3)] == [0, 1, 2]
+  fixed = dataclasses.replace(SECTION, refresh=False, refresh_every=3)
+  assert {optimizers.projection_step(fixed, t) for t in range(8)} == {0}

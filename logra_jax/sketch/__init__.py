@@ -9,6 +9,8 @@ from logra_jax.sketch.kl import (chunked_kl_coefficient, chunked_mean_kl, effect
                                  kl_coefficient, logits_and_tangents, mean_kl,
                                  position_kl, position_variance, predicted_kl_coefficient,
                                  step_scale)
+from logra_jax.sketch.momentum import (SketchMomentumState, basis_transfer,
+                                       scale_by_sketch_momentum, transfer_moments)
 from logra_jax.sketch.projection import (name_hash, projection_checksum, projection_key,
                                          sample_projection)
 from logra_jax.sketch.rank import RankRules, dynamic_rank, heuristic_rank

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import optax
 from optax import tree as otu
 
+from logra_jax.sketch.momentum import scale_by_sketch_momentum
 from logra_jax.sketch.update import update_sq_norm
 
 TINY = 1e-30
@@ -147,7 +148,7 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
           update_ratio: Optional[float] = None,
           momentum: Optional[float] = None,
           preserve_norm: bool = True) -> optax.GradientTransformationExtraArgs:
-  """The LoGRA sketch optimizer: [momentum →] (RowAdam | SGD) [→ relative step] → −lr.
+  """The LoGRA sketch optimizer: (RowAdam | SGD) [→ momentum] [→ relative step] → −lr.
 
   Args:
     learning_rate: a float or an optax schedule.
@@ -155,8 +156,11 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
     b2, eps, preserve_norm: RowAdam's hyper-parameters (see ``scale_by_row_adam``).
     update_ratio: if set, the authors' relative global step (needs ``projections=`` and the
       sketched kernels as ``params`` in ``update``).
-    momentum: if set, a debiased EMA of the sketches first (a first moment in sketch space).
-      Only meaningful with FIXED projections: a refreshed A changes the sketch's basis.
+    momentum: if set, a debiased EMA of RowAdam's normalised updates (SGD's: the sketches),
+      Adam's m̂/√v̂ in sketch space (`scale_by_sketch_momentum`). Pass ``basis`` (A's
+      projection step) and ``basis_change`` to ``update`` when A is redrawn: the moments are
+      then carried into the new A's basis (``m ← A_new A_old⁺ m``); without them A must be
+      fixed.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` over the sketch tree; its output U is added
@@ -171,10 +175,10 @@ def logra(learning_rate: optax.ScalarOrSchedule, optimizer: str = 'row_adam',
     raise ValueError(f'optimizer must be one of {sorted(SKETCH_OPTIMIZERS)}, got {optimizer!r}')
   base = (scale_by_row_adam(b2, eps, preserve_norm) if optimizer == 'row_adam'
           else scale_by_sketch_sgd())
+  parts = [base]
   # None (not 0) means off, so that inject_hyperparams leaves the structure static.
-  parts = ([optax.with_extra_args_support(optax.ema(momentum, debias=True))]
-           if momentum is not None else [])
-  parts.append(base)
+  if momentum is not None:
+    parts.append(scale_by_sketch_momentum(momentum))
   if update_ratio is not None:
     parts.append(scale_by_relative_step(update_ratio))
   parts.append(optax.scale_by_learning_rate(learning_rate))

@@ -98,8 +98,10 @@ class LograSection:
   rank_delta: int = 0       # dynamic rank r_t = rank + ceil(rank_delta·tanh(t/rank_tau))
   rank_tau: float = 1000.0
   projection: str = 'rademacher'  # | 'gaussian' | 'orthogonal' (block SRHT, rank <= d_in)
-  refresh: bool = True      # redraw A every step (False: fixed A)
-  momentum: float = 0.0     # sketch-space first moment (needs refresh=False, rank_delta=0)
+  refresh: bool = True      # redraw A (False: fixed A)
+  refresh_every: int = 1    # ... every this many steps (A held in between)
+  momentum: float = 0.0     # sketch-space first moment of RowAdam's updates (0: off), carried
+  #   across redraws of A as m <- A_new A_old+ m (needs rank_delta=0)
   b2: float = 0.95
   eps: float = 1e-8
   preserve_norm: bool = True  # RowAdam rescales each matrix to its sketch's Frobenius norm
@@ -248,7 +250,8 @@ CHOICES = {
     'model.attention': ('dense', 'blockwise'),
 }
 POSITIVE = ('data.prompts_per_step', 'data.samples_per_prompt', 'rollout.max_new_tokens',
-            'optim.micro_batches', 'optim.logra.rank', 'optim.kl_sequences', 'optim.lora.rank',
+            'optim.micro_batches', 'optim.logra.rank', 'optim.logra.refresh_every',
+            'optim.kl_sequences', 'optim.lora.rank',
             'eval.k', 'total_steps', 'eval_every', 'checkpoint_every',
             'optim.logra.learning_rate', 'optim.adam.learning_rate', 'optim.lora.learning_rate',
             'optim.logra.alpha_max', 'optim.logra.kl_budget_init', 'optim.logra.kl_budget_steps',
@@ -271,9 +274,12 @@ def _check(cfg: TrainConfig):
       raise ValueError(f'config key {key} must be > 0, got {_get(cfg, key)!r}')
   _check_method_keys(cfg.optim)
   lg = cfg.optim.logra
-  if lg.momentum and (lg.refresh or lg.rank_delta):
-    raise ValueError('config key optim.logra.momentum needs fixed projections: set '
-                     'optim.logra.refresh=False and optim.logra.rank_delta=0')
+  if lg.momentum and lg.rank_delta:
+    raise ValueError('config key optim.logra.momentum needs constant ranks (the moments keep '
+                     'their shape across redraws of A): set optim.logra.rank_delta=0')
+  if not 0 <= lg.momentum < 1:
+    raise ValueError(f'config key optim.logra.momentum must be in [0, 1) (0: off), '
+                     f'got {lg.momentum}')
   if lg.kl_budget_final < 0:
     raise ValueError(f'config key optim.logra.kl_budget_final must be >= 0, '
                      f'got {lg.kl_budget_final}')

@@ -57,8 +57,9 @@ def rank_rules(o: LograSection, step: int) -> sketch.RankRules:
 
 
 def projection_step(o: LograSection, step: int) -> int:
-  """The step that seeds A: ``step`` when refreshed every step, 0 when fixed."""
-  return step if o.refresh else 0
+  """The step that seeds A: the first step of ``step``'s block of ``refresh_every`` steps
+  (``step`` itself when A is redrawn every step), 0 when A is fixed."""
+  return (step // o.refresh_every) * o.refresh_every if o.refresh else 0
 
 
 def projection_spec(o: LograSection, step: int, name_fn=sketch.stacked_name,

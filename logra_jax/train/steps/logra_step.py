@@ -25,9 +25,12 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
                     sc: StepConfig, sh: Optional[StepShardings] = None):
   """The LoGRA step on given projections (unjitted); `make_logra_step` draws them itself.
 
-  ``update(params, opt_state, batch, projections, budget, key, telemetry=True)``: sketches →
-  optax → α from predicted KL → kernel += α·AᵀU (bf16 kernels stochastically rounded with a
-  key folded from ``key``, `rounding.rounding_key`). Outputs as ``make_logra_step``'s step.
+  ``update(params, opt_state, batch, projections, budget, key, telemetry=True, **basis)``:
+  sketches → optax → α from predicted KL → kernel += α·AᵀU (bf16 kernels stochastically
+  rounded with a key folded from ``key``, `rounding.rounding_key`). ``basis`` (optional):
+  ``basis=`` A's projection step and ``basis_change=`` old step → A_new A_old⁺, passed to the
+  optimizer so that sketch-space momentum follows a redrawn A (`sketch.momentum`). Outputs as
+  ``make_logra_step``'s step.
   """
   linear = model.clone(sketch_mode='linear')
   fd_linear = kl_probe.fp32_compute(linear) if sc.kl_probe == 'fd' else None
@@ -35,7 +38,7 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   loss = loss_fn(model, loss_cfg, sc.prompt_len)
   check_rounding(sc)
 
-  def update(params, opt_state, batch, projections, budget, key, telemetry=True):
+  def update(params, opt_state, batch, projections, budget, key, telemetry=True, **basis):
     mb_sharding = micro_batches.micro_batch_sharding_of(sh, batch, sc.micro_batches)
     mb_loss = functools.partial(loss, share=micro_batches.mb_share(sc, batch, sh))
     grad_fn = lambda mb, w: sketch.sketch_value_and_grad(mb_loss, has_aux=True)(
@@ -46,7 +49,7 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     if sc.sparse_mask:
       s = sketch.sparse_mask_tree(s, key, sc.sparse_mask)
     kernels = sketch.kernels_of(params, projections)
-    u, new_opt_state = opt.update(s, opt_state, kernels, projections=projections)
+    u, new_opt_state = opt.update(s, opt_state, kernels, projections=projections, **basis)
     kl_batch, kl_share = kl_probe.kl_batch(batch, sc.kl_sequences, sh, sc.prompt_group)
     kl_mask = kl_batch['target_mask']
     out_fn = lambda p, m=linear: completion.forward(
@@ -94,10 +97,16 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     raise TypeError(f'make_logra_step: proj must be a steps.ProjectionSpec, got {proj!r}')
   update = logra_update_fn(model, loss_cfg, opt, sc, sh)
 
-  def step(params, opt_state, batch, seed, proj_step, budget, key, telemetry):
+  def draw(params, seed, proj_step):
     a = draw_projections(params, seed, proj_step, proj)
-    a = constrain(a, sh and jax.tree.map(lambda _: sh.replicated, a))
-    return update(params, opt_state, batch, a, budget, key, telemetry)
+    return constrain(a, sh and jax.tree.map(lambda _: sh.replicated, a))
+
+  def step(params, opt_state, batch, seed, proj_step, budget, key, telemetry):
+    a = draw(params, seed, proj_step)
+    # Sketch-space momentum follows A when it is redrawn: M = A A_old⁺, drawn only then.
+    change = lambda old: sketch.basis_transfer(a, draw(params, seed, old))
+    return update(params, opt_state, batch, a, budget, key, telemetry, basis=proj_step,
+                  basis_change=change)
 
   if sh is None:
     return kl_probe.with_telemetry_flag(jax.jit(step, donate_argnums=(0, 1)))
