@@ -23,7 +23,9 @@ with, paired by seed), and `adam_sketched`: AdamW on the kernels LoGRA sketches 
 (optim.adam.trainable='sketched', the middle learning rate), which separates "fewer trained
 parameters" from "sketch noise". Tiny also has the levers' arms: `logra_m0.9_T10` and
 `logra_m0.9_T100`, LoGRA with A held for 10 / 100 steps and sketch-space momentum 0.9 carried
-across its redraws (optim.logra.refresh_every, optim.logra.momentum; sketch/momentum.py).
+across its redraws (optim.logra.refresh_every, optim.logra.momentum; sketch/momentum.py),
+and the diagnostic `logra_exact` (rank = d_in, orthogonal rows: the exact gradient through
+RowAdam and the budget, no sketch noise).
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -70,6 +72,10 @@ def ablation(arg=None) -> dict:
     for every in (10, 100):  # A held `every` steps, momentum carried across redraws
       arms[f'logra_m0.9_T{every}'] = {'optim.logra.momentum': 0.9,
                                       'optim.logra.refresh_every': every}
+    # A diagnostic, not a candidate: rank = d_in with orthogonal rows makes AᵀA = I, so the
+    # sketch is the exact gradient; what is left of the gap is RowAdam + the budget.
+    arms['logra_exact'] = {'optim.logra.projection': 'orthogonal', 'optim.logra.rank': 128,
+                           'optim.logra.rank_rules': 'down_proj=256'}
   if task == 'smoke':
     arms = {'logra': {}, f'adam_lr{lrs[1]:g}': _adam(lrs[1])}
     seeds = (0, 1)

@@ -1,4 +1,4 @@
-"""Sketch-space momentum that survives a change of projections (docs/method.md §8).
+"""Sketch-space momentum that survives a change of projections (docs/method.md §10).
 
 A sketch-space moment m (…, R, D) lives in the basis of the projections A (…, R, K) that made
 it. When A is held for T steps and then redrawn (`optim.logra.refresh_every`), the moment is
