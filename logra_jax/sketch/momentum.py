@@ -30,18 +30,38 @@ def _swap(x):
   return jnp.swapaxes(x, -1, -2)
 
 
+NEWTON_SCHULZ_STEPS = 32
+
+
+def _spd_inverse(gram):
+  """G⁻¹ of symmetric positive definite G (…, R, R) by Newton–Schulz, matmuls only.
+
+  X₀ = I / ‖G‖_∞ (‖G‖_∞ ≥ λ_max, so the residual I − X₀G has eigenvalues in [0, 1 − 1/κ')
+  with κ' = ‖G‖_∞/λ_min), then X ← X(2I − GX), which squares the residual: 32 steps reach
+  machine precision for κ' up to ~1e8. Random A with R ≤ K/2 gives κ' < 1e2 (R = K/2
+  Rademacher: (1 + √½)²/(1 − √½)² ≈ 34 by Marchenko–Pastur); orthogonal rows give G = (K/R) I.
+  No LAPACK call: jaxlib's CPU LAPACK kernels can deadlock when XLA runs several at once in
+  one program (seen here: one solve per sketched matrix hung a run at a redraw).
+  """
+  eye = jnp.eye(gram.shape[-1], dtype=gram.dtype)
+  norm = jnp.max(jnp.sum(jnp.abs(gram), axis=-1), axis=-1)[..., None, None]
+  x = jnp.broadcast_to(eye, gram.shape) / norm
+  return jax.lax.fori_loop(0, NEWTON_SCHULZ_STEPS, lambda _, x: x @ (2 * eye - gram @ x), x)
+
+
 def basis_transfer(a_new, a_old):
   """M = A_new A_old⁺ (…, R_new, R_old) for every matrix of two projection trees.
 
   A_old must have full row rank (R ≤ K; true for every kind here almost surely). Computed in
-  fp32 (fp64 for fp64 A) by solving with the Gram matrix A_old A_oldᵀ, never forming A_old⁺.
+  fp32 (fp64 for fp64 A) as (A_new A_oldᵀ)(A_old A_oldᵀ)⁻¹, the Gram inverse by
+  Newton–Schulz (`_spd_inverse`), never forming A_old⁺.
   """
   def one(an, ao):
     dt = jnp.promote_types(jnp.float32, jnp.promote_types(an.dtype, ao.dtype))
     an, ao = an.astype(dt), ao.astype(dt)
     gram = ao @ _swap(ao)    # (…, R_old, R_old), symmetric positive definite
     cross = an @ _swap(ao)   # (…, R_new, R_old)
-    return _swap(jnp.linalg.solve(gram, _swap(cross)))  # cross · gram⁻¹ (gram symmetric)
+    return cross @ _spd_inverse(gram)
 
   return jax.tree.map(one, a_new, a_old)
 
