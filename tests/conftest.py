@@ -25,7 +25,8 @@ HEAVY_FILES = {
     'test_ablations.py': 300, 'test_trainer.py': 300, 'test_notebooks.py': 270,
     'test_vllm_bridge.py': 200, 'test_configs.py': 170, 'test_weights.py': 150,
     'test_train_steps.py': 150, 'test_trainer_paths.py': 150, 'test_bridge.py': 120,
-    'test_chunked.py': 110, 'test_memory_plan.py': 90, 'test_bench_vs_trl.py': 85,
+    'test_chunked.py': 110, 'test_memory_plan.py': 90, 'test_bench_vs_trl.py': 250,
+    'test_bench_sampler.py': 265,
     # Session 12's files, timed alone on a loaded machine (halved): the parity study's smoke
     # runs (4 train.py runs, twice invoked), the probe's float64 tests, the fault runs.
     'test_compare_methods.py': 180, 'test_direction_quality.py': 130, 'test_faults.py': 200,
