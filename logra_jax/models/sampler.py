@@ -80,6 +80,27 @@ def _truncate(scaled_BxV, sampling: SamplingParams):
   return scaled_BxV
 
 
+# Ids per block of `categorical_two_stage`: 49,152 (SmolLM2) = 192 blocks of 256.
+SAMPLE_BLOCK = 256
+
+
+def categorical_two_stage(key, logits_V, block: int = SAMPLE_BLOCK):
+  """One id drawn from softmax(logits_V), exactly: a block of ``block`` ids by its total mass,
+  then an id inside that block by its own logit (Gumbel-max both times).
+
+  P(block b) · P(i | b) = (Σ_{j∈b} p_j) · p_i / Σ_{j∈b} p_j = p_i, with V / block + block
+  Gumbel variates instead of V (`jax.random.categorical` draws one per id; at 16 rows of a
+  49,152-word vocabulary that was ~11 ms of an ~80 ms decode step on XLA:CPU). -inf logits (the
+  top-k / top-p truncation) are never drawn: a block of them has mass 0.
+  """
+  v = logits_V.shape[0]
+  nb = -(-v // block)
+  z = jnp.pad(logits_V, (0, nb * block - v), constant_values=-jnp.inf).reshape(nb, block)
+  k_block, k_inner = jax.random.split(key)
+  b = jax.random.categorical(k_block, jax.nn.logsumexp(z, axis=-1))
+  return b * block + jax.random.categorical(k_inner, z[b])
+
+
 def sample_token(logits_BxV, keys_B, step, sampling: SamplingParams):
   """(token_B, logprob_B): one token per row and its log-prob under softmax(logits / T)."""
   logits_BxV = logits_BxV.astype(jnp.promote_types(jnp.float32, logits_BxV.dtype))
@@ -90,7 +111,7 @@ def sample_token(logits_BxV, keys_B, step, sampling: SamplingParams):
     scaled_BxV = logits_BxV / sampling.temperature
     logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_B, step)
-    token_B = jax.vmap(jax.random.categorical)(step_keys, _truncate(scaled_BxV, sampling))
+    token_B = jax.vmap(categorical_two_stage)(step_keys, _truncate(scaled_BxV, sampling))
   logprob_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
   return token_B.astype(jnp.int32), logprob_B
 
