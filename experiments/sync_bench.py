@@ -157,8 +157,11 @@ def write_s(blob: bytes) -> float:
 
 
 def time_updates(url: str, weights: dict, rank: int, updates: int, apply_s=None,
-                 phases=None) -> dict:
+                 phases=None, names=None) -> dict:
   """Medians over ``updates`` full and ``updates`` low-rank pushes to one server.
+
+  ``weights``: every tensor of the model (a full update holds them all, or is refused);
+  ``names``: the projection weights the low-rank updates touch (default: all of them).
 
   ``apply_s()``: seconds the server's engine spent applying its last update (vLLM);
   ``phases()``: {phase: seconds} of it (the JAX engine); both recorded per kind as
@@ -167,7 +170,7 @@ def time_updates(url: str, weights: dict, rank: int, updates: int, apply_s=None,
   fleet = Fleet([url], TOKEN)
   version = int(ServerClient(url, TOKEN).call('GET', '/weight_info')['weight_version'])
   fleet.version = version
-  names = [n for n in weights if wire.is_projection_weight(n)]
+  names = names or [n for n in weights if wire.is_projection_weight(n)]
   rng = np.random.default_rng(0)
   out = {}
   try:
@@ -222,13 +225,15 @@ def vllm_drift(url: str, trainer: dict) -> float:
   return float(np.sqrt(r['num'] / r['den']))
 
 
-def measure_drift(urls: list, readers: dict, weights: dict, rank: int, n: int) -> dict:
-  """``n`` low-rank updates of ``weights``' projections to every server while the trainer's
-  kernels take the same steps; {reader name: its drift, 'moved_rel', 'updates'}.
+def measure_drift(urls: list, readers: dict, weights: dict, rank: int, n: int,
+                  names=None) -> dict:
+  """``n`` low-rank updates of ``weights``' projections (``names``, default all) to every
+  server while the trainer's kernels take the same steps; {reader name: its drift over those
+  tensors, 'moved_rel', 'updates'}.
 
   ``readers``: {name: f(trainer weights {HF name: array}) -> relative drift}.
   """
-  names = [k for k in weights if wire.is_projection_weight(k)]
+  names = names or [k for k in weights if wire.is_projection_weight(k)]
   kernels = {k: jnp.asarray(weights[k].T) for k in names}
   step = jax.jit(lambda k, a, u: k + jnp.einsum('rk,rd->kd', a, u))
   fleet = Fleet(urls, TOKEN)
@@ -251,7 +256,8 @@ def measure_drift(urls: list, readers: dict, weights: dict, rank: int, n: int) -
 
 
 def reset(urls: list, weights: dict):
-  """Full weights ``weights`` on every server (one version past the newest)."""
+  """Full weights ``weights`` (every tensor of the model: a full update holds them all) on
+  every server, one version past the newest."""
   version = max(int(ServerClient(u, TOKEN).call('GET', '/weight_info')['weight_version'])
                 for u in urls) + 1
   fleet = Fleet(urls, TOKEN)

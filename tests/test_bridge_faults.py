@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from logra_jax.bridge import admission, client, wire
+from logra_jax.bridge import admission, client, sync, wire
 from logra_jax.bridge.client import BridgeError, Fleet, FleetDown, ServerClient
 from logra_jax.bridge.engine import JaxEngine
 from logra_jax.bridge.server import BridgeServer
@@ -42,7 +42,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=4, n=2, seed=0)
 def _bridge(**kw):
   server = BridgeServer(JaxEngine(CONFIG, PARAMS), TOKEN, **kw).start()
   try:
-    yield server.engine, server, ServerClient(server.url, TOKEN, timeout=60)
+    yield server.engine, server, ServerClient(server.url, TOKEN, client.Timeouts(generation_s=60, update_s=60))
   finally:
     server.shutdown()
     server.server_close()
@@ -102,11 +102,11 @@ def test_admission_loads_by_path_without_site_packages_and_both_engines_use_its_
   """vLLM's side loads admission.py by path (refs.py); -S -I: no numpy, no logra_jax."""
   code = ('import importlib.util, sys; spec = importlib.util.spec_from_file_location("a", '
           'sys.argv[1]); m = importlib.util.module_from_spec(spec); '
-          'spec.loader.exec_module(m); print(m.DEFAULT_MAX_BYTES)')
+          'spec.loader.exec_module(m); print(m.max_update_bytes({"w": (3, 5), "b": (7,)}))')
   out = subprocess.run([sys.executable, '-S', '-I', '-c', code,
                         os.path.join(REPO, 'logra_jax', 'bridge', 'admission.py')],
                        check=True, capture_output=True, text=True).stdout
-  assert int(out) == admission.DEFAULT_MAX_BYTES
+  assert int(out) == int(4 * 22 * 1.25) + 2 * 1024 + (1 << 20)
   refs = open(os.path.join(REPO, 'third_party', 'vllm', 'logra_vllm', 'refs.py')).read()
   assert "'logra_jax/bridge/admission.py'" in refs
   # One default limit: the vLLM launcher sets none of its own (the engine takes admission's).
@@ -116,8 +116,31 @@ def test_admission_loads_by_path_without_site_packages_and_both_engines_use_its_
   spec.loader.exec_module(launch)
   args, _ = launch.parse(['--model=x', '--token=t'])
   assert args.max_update_bytes is None
-  with _bridge() as (_, server, _):
-    assert server.max_update_bytes == admission.DEFAULT_MAX_BYTES
+  with _bridge() as (engine, server, _):
+    assert server.max_update_bytes == admission.max_update_bytes(engine.spec)
+  # Sized from the model: a 7B model's full fp32 blob (30 GB, over the old 8 GiB default)
+  # fits; an explicit limit replaces it.
+  spec7b = sync.hf_shapes(get_preset('qwen2.5-7b'))
+  blob7b = 4 * sum(int(np.prod(s)) for s in spec7b.values())
+  assert blob7b > 8 << 30 and admission.max_update_bytes(spec7b) > blob7b + 1024 * len(spec7b)
+  with _bridge(max_update_bytes=123) as (_, server, _):
+    assert server.max_update_bytes == 123
+
+
+def test_a_full_blob_fits_the_default_limit_and_a_larger_one_is_refused(tmp_path):
+  """The default limit is the model's full fp32 blob with room: that blob is accepted; one
+  past the limit is refused (413) before it is read, weights unchanged."""
+  with _bridge() as (engine, server, c):
+    whole = {k: np.array(v) for k, v in engine.master_weights().items()}
+    blob = wire.encode_full(whole, 0, 1)
+    assert len(blob) < server.max_update_bytes
+    assert _session(c, _write(tmp_path, blob, 'full'), version=1) is None
+    before = _snapshot(engine)
+    big = tmp_path / 'big'
+    big.write_bytes(b'')
+    os.truncate(big, server.max_update_bytes + 1)
+    err = _session(c, {'path': str(big)}, version=2)
+    assert err is not None and err.status == 413 and _snapshot(engine) == before
 
 
 _LOAD_WIRE = """
@@ -234,22 +257,69 @@ def test_a_url_on_the_allowed_origin_is_fetched_and_bounded():
 
 def test_a_partial_full_blob_and_a_backward_version_are_refused_byte_identical(tmp_path):
   with _bridge() as (engine, _, c):
-    whole = {k: np.array(v) for k, v in engine.master_weights().items()}
     assert _session(c, _write(tmp_path, _lowrank(engine, 0, 3), 'l3'), version=3) is None
+    whole = {k: np.array(v) for k, v in engine.master_weights().items()}  # served at 3
     before = _snapshot(engine)
     one = {'model.norm.weight': whole['model.norm.weight'] + 1}
-    cases = [('partial full for another base', wire.encode_full(one, 1, 4), 409),
+    cases = [('partial full for another base', wire.encode_full(one, 1, 4), 400),
+             ('partial full for the served base', wire.encode_full(one, 3, 4), 400),
+             ('partial full at the served version', wire.encode_full(one, 3, 3), 400),
              ('whole model, backward version', wire.encode_full(whole, 1, 2), 400),
              ('low-rank, backward version', _lowrank(engine, 3, 2), 400)]
     for what, blob, status in cases:
       err = _session(c, _write(tmp_path, blob, 'b'), version=4)
       assert err is not None and err.status == status, (what, err)
       assert _snapshot(engine) == before, what
-    # Allowed: the whole model for any base (the 409 answer), at the served version or later
-    # (a re-sync); a partial blob for the served base (base-checked like a low-rank delta).
+    # Allowed: the whole model for any base, at the served version (a re-sync: every tensor
+    # replaced) or later.
     assert _session(c, _write(tmp_path, wire.encode_full(whole, 1, 3), 'w'), version=3) is None
-    assert _session(c, _write(tmp_path, wire.encode_full(one, 3, 4), 'p'), version=4) is None
+    assert _snapshot(engine) == before  # the served weights themselves: nothing moved
+    whole['model.norm.weight'] += 1
+    assert _session(c, _write(tmp_path, wire.encode_full(whole, 3, 4), 'p'), version=4) is None
     assert engine.weight_version == '4'
+    np.testing.assert_array_equal(engine.master_weights()['model.norm.weight'],
+                                  whole['model.norm.weight'])
+
+
+def test_a_session_left_open_by_a_dead_trainer_is_ended_by_the_next_start(tmp_path):
+  """Trainer A pauses, starts and stages an update, then dies (no finish, no resume). The next
+  trainer's push (a fresh session key) ends A's session: A's staged update is never served,
+  the weights and version are byte-identical until the new push commits; a late call of A's
+  (its key) is refused 409 and changes nothing. A keyless start still refuses an open session."""
+  with _bridge() as (engine, _, c):
+    before = _snapshot(engine)
+    dead = {client.SESSION_HEADER: 'trainer-a'}
+    c.call('POST', '/pause?mode=keep')
+    c.call('POST', '/start_weight_update', {}, headers=dead)
+    c.call('POST', '/update_weights', {'update_info': _write(tmp_path, _lowrank(engine, 0, 1),
+                                                             'a')}, headers=dead)
+    with pytest.raises(BridgeError, match='already in progress'):
+      c.call('POST', '/start_weight_update', {})
+    assert _snapshot(engine) == before and engine.info()['update_in_progress']
+    fleet = Fleet([c.url], TOKEN)
+    try:
+      # A refused blob: the new session is rolled back too, so the weights are those of before
+      # either session.
+      partial = wire.encode_full({'model.norm.weight': np.zeros(CONFIG.hidden_size, np.float32)},
+                                 0, 1)
+      with pytest.raises(BridgeError, match='every tensor'):
+        fleet.push(partial, 1, full_blob=lambda: None)
+      assert _snapshot(engine) == before and not engine.info()['update_in_progress']
+      assert engine.info()['sessions_superseded'] == 1 and not engine.info()['paused']
+      for path, body in (('/update_weights', {'update_info': {'path': 'x'}}),
+                         ('/finish_weight_update', {'weight_version': '1'})):
+        c.call('POST', '/pause?mode=keep')
+        c.call('POST', '/start_weight_update', {}, headers={client.SESSION_HEADER: 'b'})
+        with pytest.raises(BridgeError) as err:
+          c.call('POST', path, body, headers=dead)
+        assert err.value.status == 409 and 'superseded' in err.value.message, path
+        c.call('POST', '/finish_weight_update', {}, headers={client.SESSION_HEADER: 'b'})
+        c.call('POST', '/resume', {})
+      assert _snapshot(engine) == before
+      fleet.push(_lowrank(engine, 0, 1), 1, full_blob=lambda: None)  # the run goes on
+      assert engine.weight_version == '1'
+    finally:
+      fleet.close()
 
 
 # --- D: fp8 NaN codes; /dev/shm ---------------------------------------------------------------
@@ -386,6 +456,7 @@ class _FakeEngine:
   def __init__(self):
     self.paused, self.version, self.in_session = True, '0', False
     self.pause_check = None  # an asyncio.Event is_paused waits for, when set
+    self.pause_hangs = False  # /pause never returns (in-flight requests that never finish)
 
   async def is_paused(self):
     if self.pause_check is not None:
@@ -400,6 +471,9 @@ class _FakeEngine:
 
   async def reset_prefix_cache(self):
     pass
+
+  async def resume_generation(self):
+    self.paused = False
 
   async def collective_rpc(self, method, args=()):
     if method == 'logra_status':
@@ -421,13 +495,15 @@ def _asgi(engine, reached):
       engine.in_session = False
     if scope['path'] == '/resume':
       engine.paused = False
+    if scope['path'] == '/pause' and engine.pause_hangs:
+      await asyncio.Event().wait()  # mode=wait with requests that never finish
     await send({'type': 'http.response.start', 'status': 200,
                 'headers': [(b'content-type', b'application/json')]})
     await send({'type': 'http.response.body', 'body': b'{}'})
   return app, inner
 
 
-async def _call(mw, app, method, path, body=b''):
+async def _call(mw, app, method, path, body=b'', headers=()):
   out = []
 
   async def receive():
@@ -436,7 +512,7 @@ async def _call(mw, app, method, path, body=b''):
   async def send(message):
     out.append(message)
   scope = {'type': 'http', 'method': method, 'path': path, 'app': app,
-           'headers': [(b'authorization', f'Bearer {TOKEN}'.encode())]}
+           'headers': [(b'authorization', f'Bearer {TOKEN}'.encode()), *headers]}
   await mw(scope, receive, send)
   return out[0]['status'], json.loads(b''.join(m.get('body', b'') for m in out[1:]) or b'null')
 
@@ -497,4 +573,36 @@ def test_the_vllm_middleware_locks_the_pause_check_and_keeps_the_window_on_a_bad
     status, out = await _call(mw, app, 'POST', '/finish_weight_update',
                               b'{"weight_version": "0"}')
     assert status == 200 and out == {'weight_version': '0'} and len(reached) == n
+  asyncio.run(run())
+
+
+def test_the_vllm_middleware_ends_a_stale_session_and_bounds_a_pause(vllm_mw, monkeypatch):
+  """A session left open by a dead client (key a) is ended by the next client's start (key
+  b): vLLM's finish without a version (the engine rolls back), then the new start; a's later
+  calls are refused 409 and reach nothing. A completion while paused past the pause timeout is
+  503 without reaching vLLM; a /pause that does not return in that time is undone: 503."""
+  mw, app, engine, reached = vllm_mw
+  middleware = _middleware()
+  a, b = [(middleware.SESSION_HEADER, k) for k in (b'a', b'b')]
+
+  async def run():
+    assert (await _call(mw, app, 'POST', '/start_weight_update', headers=[a]))[0] == 200
+    assert (await _call(mw, app, 'POST', '/start_weight_update'))[0] == 200  # keyless: vLLM's
+    del reached[:]
+    assert (await _call(mw, app, 'POST', '/start_weight_update', headers=[b]))[0] == 200
+    assert reached == ['/finish_weight_update', '/start_weight_update']
+    assert mw.sessions_superseded == 1 and engine.in_session
+    for path in ('/update_weights', '/finish_weight_update'):
+      status, out = await _call(mw, app, 'POST', path, b'{}', headers=[a])
+      assert status == 409 and 'superseded' in out['error']['message'], path
+    assert reached == ['/finish_weight_update', '/start_weight_update']
+    assert (await _call(mw, app, 'POST', '/finish_weight_update', b'{}', headers=[b]))[0] == 200
+    assert not engine.in_session
+    monkeypatch.setattr(middleware, 'PAUSE_TIMEOUT_S', 0.3)
+    del reached[:]
+    status, out = await _call(mw, app, 'POST', '/v1/completions', b'{}')
+    assert status == 503 and 'paused for more than' in out['error']['message'] and not reached
+    engine.pause_hangs = True
+    status, out = await _call(mw, app, 'POST', '/pause')
+    assert status == 503 and 'not paused' in out['error']['message'] and not engine.paused
   asyncio.run(run())

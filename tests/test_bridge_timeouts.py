@@ -1,7 +1,9 @@
 """The JAX engine's server holds no thread forever: socket timeouts, a bounded wait for /resume
-and a bounded /pause (docs/bridge.md, "Faults and checks"). Servers bind 127.0.0.1 (threads).
+and a bounded /pause; the client marks a hung server down after one timeout (docs/bridge.md,
+"Faults and checks"). Servers bind 127.0.0.1 (threads).
 """
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -12,7 +14,7 @@ import urllib.request
 import jax
 import pytest
 
-from logra_jax.bridge.client import BridgeError, ServerClient
+from logra_jax.bridge.client import BridgeError, Fleet, ServerClient, Timeouts
 from logra_jax.bridge.engine import JaxEngine
 from logra_jax.bridge.server import BridgeServer
 from logra_jax.models import get_preset, init_params
@@ -30,7 +32,7 @@ def _bridge():
   engine = JaxEngine(CONFIG, PARAMS, pause_timeout_s=PAUSE_S)
   server = BridgeServer(engine, TOKEN, socket_timeout_s=SOCKET_S).start()
   try:
-    yield engine, server, ServerClient(server.url, TOKEN, timeout=30)
+    yield engine, server, ServerClient(server.url, TOKEN, Timeouts(generation_s=30, update_s=30))
   finally:
     server.shutdown()
     server.server_close()
@@ -97,3 +99,65 @@ def test_pause_that_cannot_drain_fails_with_503_and_leaves_the_server_unpaused()
     assert client.call('GET', '/weight_info')['paused'] is False
     release.set()
     slow.join()
+
+
+@contextlib.contextmanager
+def _hung(close_after_s=30.0):
+  """A server on 127.0.0.1 that accepts connections, reads nothing and never answers; each
+  connection is closed after ``close_after_s`` (bounded), all of them when the block ends.
+  Yields (its URL, the number of connections it accepted so far)."""
+  listener = socket.create_server(('127.0.0.1', 0))
+  listener.settimeout(0.2)
+  accepted, stop = [], threading.Event()
+
+  def serve():
+    while not stop.is_set():
+      try:
+        conn, _ = listener.accept()
+        accepted.append((conn, time.monotonic()))
+      except OSError:
+        pass
+      for c, at in list(accepted):
+        if time.monotonic() - at > close_after_s:
+          c.close()
+  thread = threading.Thread(target=serve, daemon=True)
+  thread.start()
+  try:
+    yield f'http://127.0.0.1:{listener.getsockname()[1]}', lambda: len(accepted)
+  finally:
+    stop.set()
+    thread.join(5)
+    for conn, _ in accepted:
+      conn.close()
+    listener.close()
+
+
+def test_a_hung_server_is_marked_down_after_one_timeout_and_its_requests_rerouted():
+  """A server that accepts and never answers: the client gives up after its generation
+  timeout (the hung server closes connections only after 30 s, so a client without it would
+  see a closed connection instead), does not repeat the call, marks it down; the request is
+  answered by the server that is up, with the same samples; /health and the update lifecycle
+  time out the same way, each on its own timeout."""
+  from logra_jax.rl.types import GenerationRequest, SamplingParams  # pylint: disable=g-import-not-at-top
+  timeouts = Timeouts(connect_s=1.0, health_s=0.5, generation_s=1.0, update_s=1.0)
+  request = GenerationRequest((1, 5, 7), SamplingParams(temperature=1.0, max_new_tokens=3,
+                                                        n=2, seed=4), request_id='r')
+  with _hung() as (hung_url, accepted), _bridge() as (_, server, _):
+    assert not ServerClient(hung_url, TOKEN, timeouts).healthy()
+    for method, path in (('POST', '/v1/completions'), ('POST', '/pause?mode=keep'),
+                         ('GET', '/weight_info')):
+      before = accepted()
+      with pytest.raises(BridgeError, match='no answer within 1 s') as err:
+        ServerClient(hung_url, TOKEN, timeouts).call(method, path, {} if method == 'POST'
+                                                     else None)
+      assert err.value.status == 0
+      assert accepted() == before + 1, path  # one try: a timeout is not repeated
+    want = Fleet([server.url], TOKEN).generate([request])  # compiles the sampler
+    fleet = Fleet([hung_url, server.url], TOKEN,
+                  timeouts=dataclasses.replace(timeouts, generation_s=5.0))
+    try:
+      got = fleet.generate([request])  # the request goes to the hung server first (index 0)
+      assert fleet.down() == [0] and fleet.servers_up == 1
+      assert [r.completion_token_ids for r in got] == [r.completion_token_ids for r in want]
+    finally:
+      fleet.close()

@@ -134,8 +134,8 @@ def _choice_response(token_ids=(5, 6)):
 def _fleet_with(monkeypatch, answers: dict):
   """A Fleet over fake URLs: ``answers[url]`` is None (the server is gone: the client's
   transit error) or the completions response it gives."""
-  def call(server, method, path, body=None):
-    del method, body
+  def call(server, method, path, body=None, headers=None):
+    del method, body, headers
     if answers[server.url] is None:
       raise client.BridgeError(server.url, 0, f'unreachable after {client.RETRIES} tries')
     return answers[server.url] if path.startswith('/v1/completions') else {}

@@ -78,11 +78,13 @@ def _config(urls, every):
 
 
 def _rogue(url, name, weights, version, tmp_path):
-  """An authorised client perturbs one tensor, version kept (a full blob for the served base
-  may hold a subset): what the trainer did not send."""
+  """An authorised client perturbs one tensor, version kept (a full blob of the served
+  weights, every tensor, one of them moved: a re-sync to other weights): what the trainer did
+  not send."""
   w = weights[name] + 1e-2 * np.random.default_rng(0).standard_normal(weights[name].shape)
   path = tmp_path / 'rogue.safetensors'
-  path.write_bytes(wire.encode_full({name: w.astype(np.float32)}, version, version))
+  path.write_bytes(wire.encode_full(dict(weights, **{name: w.astype(np.float32)}), version,
+                                    version))
   client = ServerClient(url, TOKEN)
   client.call('POST', '/pause?mode=keep')
   client.call('POST', '/start_weight_update', {})

@@ -12,9 +12,8 @@ so it uses the standard library only and no other module of ours.
                               URLs are refused): no proxy, no redirect followed, the bearer token
                               sent to that origin only, at most ``max_bytes``, and errors that
                               name no host.
-  versions                    never backward; a full blob holds every tensor of the model unless
-                              its base is the served version (then it replaces those tensors of
-                              that version, base-checked like a low-rank delta).
+  versions                    never backward; a full blob holds every tensor of the model (any
+                              base; the served version kept only by such a complete re-sync).
 """
 import os
 import tempfile
@@ -22,7 +21,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-DEFAULT_MAX_BYTES = 8 << 30
+MAX_BYTES_MARGIN = 1.25  # the limit over a full fp32 blob's tensors (low-rank blobs are less)
+HEADER_BYTES_PER_TENSOR = 1024  # safetensors header + metadata (name, shape, ranks, A checksum)
 URL_TIMEOUT_S = 60.0
 _PORTS = {'http': 80, 'https': 443}
 
@@ -76,6 +76,19 @@ def read_update(info, *, dirs: tuple, origins: tuple, token: str, max_bytes: int
   if 'path' in info:
     return read_path(info['path'], dirs, max_bytes)
   return fetch_url(info['url'], origins, token, max_bytes)
+
+
+def max_update_bytes(spec) -> int:
+  """The default update limit for a model of tensors ``spec`` ({name: shape}): its full fp32
+  blob (4 bytes a weight) x `MAX_BYTES_MARGIN`, plus a header bound per tensor and 1 MiB. A
+  server's explicit limit (--max_update_bytes) replaces it."""
+  weights = 0
+  for shape in spec.values():
+    n = 1
+    for d in shape:
+      n *= int(d)
+    weights += n
+  return int(4 * weights * MAX_BYTES_MARGIN) + HEADER_BYTES_PER_TENSOR * len(spec) + (1 << 20)
 
 
 def _too_large(size, max_bytes):
@@ -135,17 +148,20 @@ def fetch_url(url: str, origins: tuple, token: str, max_bytes: int) -> bytes:
 
 
 def check_versions(kind: str, base: str, new: str, names, spec, current: str):
-  """Refuses a version going backward, and a partial full blob for another base (409).
+  """Refuses a version going backward (400) and a full blob that misses a tensor (400).
 
   ``names``: the tensors the update sets; ``spec``: {name: shape} of the whole model. A full
-  blob may keep the version (a re-sync of the served one: the trainer's first sync); a
-  low-rank one moves it forward (`wire` checks its base).
+  blob always holds every tensor of the model, whatever its base: the weights it leaves are
+  then exactly the blob's, so its ``new_version`` labels what is served. It may keep the
+  served version (a re-sync: the trainer's first sync, and its answer to a drifted server,
+  docs/bridge.md); a low-rank one moves it forward (`wire` checks its base).
   """
   if int(new) < int(current):
     raise Refused(400, f'new_version {new} is older than the served version {current}: '
                        'versions never go backward')
-  if kind == 'full' and str(base) != str(current):
-    missing = len(set(spec) - set(names))
+  if kind == 'full':
+    missing = sorted(set(spec) - set(names))
     if missing:
-      raise Refused(409, f'a full update for base {base} (this generator serves {current}) '
-                         f'must hold every tensor of the model; {missing} are missing')
+      raise Refused(400, f'a full update must hold every tensor of the model; {len(missing)} '
+                         f'of {len(spec)} are missing (e.g. {missing[0]}): send the whole '
+                         'model, or a low-rank update for the served base')

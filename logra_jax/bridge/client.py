@@ -14,20 +14,21 @@ it raises. Completions that come back aborted (empty, `finish_reason` abort: ano
 paused the server with mode abort) are requested again, at most `ABORT_RETRIES` times, and
 counted; they never reach the trainer.
 
-A server that fails in transit (the client's retries spent: dead, or not answering) is marked
-down: its requests go to the servers that are up, updates skip it, and it serves again only
+Every call is bounded (`Timeouts`: connect, /health, a completion, an update call); one that
+times out is not repeated. A server that fails in transit (the client's retries spent: dead,
+or not answering in time) is marked down: its requests go to the servers that are up, updates skip it, and it serves again only
 after `Fleet.rejoin` (full weights first). No server up: `FleetDown`, naming every server.
 """
 import concurrent.futures
+import dataclasses
 import http.client
 import json
 import os
-import socket
+import secrets
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Callable, Optional, Sequence
 
 from logra_jax.rl.types import GenerationRequest, GenerationResult
@@ -37,6 +38,7 @@ ABORT_RETRIES = 3
 SHM = '/dev/shm'
 SHM_HEADROOM = 64 << 20  # left free in /dev/shm (Docker's default size is all of 64 MiB)
 IDEMPOTENT = ('/pause', '/resume', '/v1/completions')  # POSTs a repeat of which is harmless
+SESSION_HEADER = 'X-Logra-Session'  # an update session's key, fresh per push (`_push_one`)
 
 
 class BridgeError(RuntimeError):
@@ -56,25 +58,90 @@ class FleetDown(RuntimeError):
         f'{url} ({why})' for url, why in self.servers.items()))
 
 
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+  """How long the client waits, in seconds (config keys rollout.*_timeout_s).
+
+  ``connect_s``: for the TCP connection (a refused or unanswered connect sent nothing: it is
+  retried); ``health_s``: for GET /health; ``generation_s``: for the answer to a
+  /v1/completions call; ``update_s``: for the answer to every other call (the update
+  lifecycle, /weight_info). A call whose answer does not come in time is not repeated: the
+  server is taken as hung (`Fleet` marks it down), so a hung server costs one timeout.
+  """
+  connect_s: float = 10.0
+  health_s: float = 10.0
+  generation_s: float = 300.0
+  update_s: float = 900.0
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if not getattr(self, field.name) > 0:
+        raise ValueError(f'client timeout {field.name} must be > 0, got '
+                         f'{getattr(self, field.name)!r}')
+
+  def read_s(self, method: str, path: str) -> float:
+    """The answer's timeout of a call of ``method`` on ``path``."""
+    path = path.split('?', 1)[0]
+    if path == '/health':
+      return self.health_s
+    return self.generation_s if path == '/v1/completions' else self.update_s
+
+
+class _Unsent(Exception):
+  """The connection was not made: nothing was sent."""
+
+
 class ServerClient:
-  """JSON calls to one server, with retries (exponential backoff) on connection errors."""
+  """JSON calls to one server, with retries (exponential backoff) where a repeat is harmless."""
 
-  def __init__(self, url: str, token: str, timeout: float = 600.0):
-    self.url, self.token, self.timeout = url.rstrip('/'), token, timeout
+  def __init__(self, url: str, token: str, timeouts: Optional[Timeouts] = None):
+    self.url, self.token = url.rstrip('/'), token
+    self.timeouts = timeouts or Timeouts()
+    parts = urllib.parse.urlsplit(self.url)
+    if parts.scheme not in ('http', 'https') or not parts.hostname:
+      raise ValueError(f'a server URL must be http(s)://host[:port], got {url!r}')
+    self._parts = parts
 
-  def call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
-    data = None if body is None else json.dumps(body).encode()
-    headers = {'Authorization': f'Bearer {self.token}', 'Content-Type': 'application/json'}
-    repeatable = _idempotent(method, path, body)
-    for attempt in range(RETRIES):
-      req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+  def _once(self, method: str, path: str, data: Optional[bytes], headers: dict,
+            read_s: float) -> dict:
+    """One request: the JSON answer; `BridgeError` for an HTTP error (redirects are not
+    followed), `_Unsent` when no connection was made, `TimeoutError` for no answer in
+    ``read_s``, another OSError or HTTPException if the connection broke."""
+    cls = (http.client.HTTPSConnection if self._parts.scheme == 'https'
+           else http.client.HTTPConnection)
+    conn = cls(self._parts.hostname, self._parts.port, timeout=self.timeouts.connect_s)
+    try:
       try:
-        with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-          return json.loads(resp.read() or b'{}')
-      except urllib.error.HTTPError as e:
-        raise BridgeError(self.url, e.code, _message(e)) from None
-      except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        if not (repeatable or _unsent(e)):
+        conn.connect()
+      except OSError as e:
+        raise _Unsent(f'cannot connect: {e}') from None
+      conn.sock.settimeout(read_s)
+      conn.request(method, self._parts.path + path, body=data, headers=headers)
+      resp = conn.getresponse()
+      raw = resp.read()
+    finally:
+      conn.close()
+    if not 200 <= resp.status < 300:
+      raise BridgeError(self.url, resp.status, _message(raw, resp.reason))
+    return json.loads(raw or b'{}')
+
+  def call(self, method: str, path: str, body: Optional[dict] = None,
+           headers: Optional[dict] = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {'Authorization': f'Bearer {self.token}', 'Content-Type': 'application/json',
+               **(headers or {})}
+    repeatable = _idempotent(method, path, body)
+    read_s = self.timeouts.read_s(method, path)
+    for attempt in range(RETRIES):
+      try:
+        return self._once(method, path, data, headers, read_s)
+      except BridgeError:
+        raise
+      except TimeoutError:  # connected, sent, and no answer: hung (or far too slow)
+        raise BridgeError(self.url, 0, f'{method} {path}: no answer within {read_s:g} s '
+                                       '(timed out; not repeated)') from None
+      except (_Unsent, OSError, http.client.HTTPException) as e:
+        if not (repeatable or isinstance(e, _Unsent)):
           raise BridgeError(self.url, 0, f'{method} {path} failed in transit and is not '
                                          f'repeated (it may have reached the server): '
                                          f'{e}') from None
@@ -83,16 +150,20 @@ class ServerClient:
         time.sleep(0.2 * 2**attempt)
     raise AssertionError('unreachable')
 
+  def healthy(self) -> bool:
+    """GET /health answered 200 within the connect and health timeouts (one try)."""
+    try:
+      self._once('GET', '/health', None, {}, self.timeouts.health_s)
+      return True
+    except (BridgeError, _Unsent, OSError, http.client.HTTPException, ValueError):
+      return False
+
   def wait_healthy(self, timeout_s: float = 120.0):
     deadline = time.monotonic() + timeout_s
-    while True:
-      try:
-        with urllib.request.urlopen(self.url + '/health', timeout=5):
-          return
-      except OSError:
-        if time.monotonic() > deadline:
-          raise BridgeError(self.url, 0, f'not healthy after {timeout_s:.0f} s') from None
-        time.sleep(0.25)
+    while not self.healthy():
+      if time.monotonic() > deadline:
+        raise BridgeError(self.url, 0, f'not healthy after {timeout_s:.0f} s')
+      time.sleep(0.25)
 
 
 def _idempotent(method: str, path: str, body: Optional[dict]) -> bool:
@@ -102,17 +173,12 @@ def _idempotent(method: str, path: str, body: Optional[dict]) -> bool:
   return path == '/finish_weight_update' and bool(body) and 'weight_version' in body
 
 
-def _unsent(e: Exception) -> bool:
-  """The request never left: the connection was refused or the host did not resolve."""
-  reason = getattr(e, 'reason', e)
-  return isinstance(reason, (ConnectionRefusedError, socket.gaierror))
-
-
-def _message(e: urllib.error.HTTPError) -> str:
+def _message(raw: bytes, reason: str) -> str:
+  """An error answer's message (OpenAI's JSON shape), else the HTTP reason."""
   try:
-    return json.loads(e.read())['error']['message']
+    return json.loads(raw)['error']['message']
   except (ValueError, KeyError, TypeError):
-    return e.reason
+    return reason
 
 
 def completion_body(request: GenerationRequest, model: str) -> dict:
@@ -148,12 +214,16 @@ class Fleet:
   """Generation servers as one `logra_jax.rl.Generator`, and the update broadcast."""
 
   def __init__(self, urls: Sequence[str], token: str, model: str = 'logra',
-               max_concurrency: int = 8, blob_dir: Optional[str] = None):
+               max_concurrency: int = 8, blob_dir: Optional[str] = None,
+               timeouts: Optional[Timeouts] = None):
     """``blob_dir``: where update blob files are written (a directory the servers read, in
-    their update dirs: a shared mount for servers on other hosts); None: `blob_dir`'s pick."""
+    their update dirs: a shared mount for servers on other hosts); None: `blob_dir`'s pick.
+    ``timeouts``: the client's (`Timeouts`; a server that does not answer in time is marked
+    down)."""
     if not urls:
       raise ValueError('a fleet needs at least one server URL')
-    self.servers = [ServerClient(u, token) for u in urls]
+    self.timeouts = timeouts or Timeouts()
+    self.servers = [ServerClient(u, token, self.timeouts) for u in urls]
     self.model, self.version, self.blob_dir, self.token = model, 0, blob_dir, token
     self.aborts_retried = 0  # completions requested again because they came back aborted
     self._count = threading.Lock()
@@ -251,7 +321,7 @@ class Fleet:
     """Server ``i`` (at ``url`` when it moved: a relaunch) serves again once the full weights
     ``blob`` of the current version are committed on it; False (still down) if they are not."""
     if url:
-      self.servers[i] = ServerClient(url, self.token)
+      self.servers[i] = ServerClient(url, self.token, self.timeouts)
     with _BlobFile(blob, self.blob_dir) as path:
       try:
         _push_one(self.servers[i], path, self.version, strict=True)
@@ -291,18 +361,24 @@ class Fleet:
 
 
 def _push_one(server: ServerClient, path: str, version: int, strict: bool = False):
-  """The lifecycle on one server; 409 is returned (not raised) unless ``strict``."""
+  """The lifecycle on one server; 409 is returned (not raised) unless ``strict``.
+
+  Start, update and finish carry a fresh session key (`SESSION_HEADER`): a session that a
+  dead trainer left open is ended by this start (weights and version unchanged), and no call
+  of this push acts on a session another client started since."""
+  key = {SESSION_HEADER: secrets.token_hex(16)}
   server.call('POST', '/pause?mode=keep')
   try:
-    server.call('POST', '/start_weight_update', {})
+    server.call('POST', '/start_weight_update', {}, headers=key)
     try:
-      server.call('POST', '/update_weights', {'update_info': {'path': path}})
+      server.call('POST', '/update_weights', {'update_info': {'path': path}}, headers=key)
     except BridgeError as e:
-      server.call('POST', '/finish_weight_update', {})
+      server.call('POST', '/finish_weight_update', {}, headers=key)
       if e.status == 409 and not strict:
         return 409
       raise
-    server.call('POST', '/finish_weight_update', {'weight_version': str(version)})
+    server.call('POST', '/finish_weight_update', {'weight_version': str(version)},
+                headers=key)
     return 200
   finally:
     server.call('POST', '/resume', {})

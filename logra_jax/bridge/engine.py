@@ -9,7 +9,11 @@ always the one that produced it and no request ever sees half an update. The com
 is shared by every version (same shapes and dtypes: no retrace).
 
 Lifecycle (vLLM's): pause → start → update (repeatable) → finish(version) → resume. A refused
-update marks the session failed; `finish` without a version then discards it.
+update marks the session failed; `finish` without a version then discards it. A session may
+carry a key (the client's `X-Logra-Session` header, fresh per push): a start with another key
+while a session is open discards that one (a trainer that died mid-update leaves it open; the
+next trainer's start ends it: staged copy dropped, served weights and version unchanged), and
+a call naming a key that is not the open session's is refused (409).
 """
 import dataclasses
 import threading
@@ -51,6 +55,7 @@ class _Session:
   owned: set = dataclasses.field(default_factory=set)  # staged paths (safe to donate)
   new_version: Optional[str] = None
   failed: Optional[str] = None
+  key: Optional[str] = None  # the client's session key (None: a keyless client)
 
 
 class JaxEngine:
@@ -79,6 +84,7 @@ class JaxEngine:
     self._cond = threading.Condition()
     self._paused, self._in_flight, self._abort_epoch = False, 0, 0
     self._session: Optional[_Session] = None
+    self.sessions_superseded = 0  # open sessions a start with another key discarded
     self.transfer_info: dict = {}
 
   # --- state ------------------------------------------------------------------------------
@@ -90,6 +96,7 @@ class JaxEngine:
     with self._cond:
       return {'weight_version': self._version, 'paused': self._paused,
               'update_in_progress': self._session is not None, 'num_tensors': len(self.spec),
+              'sessions_superseded': self.sessions_superseded,
               'last_update': dict(self.timings)}
 
   def fingerprint(self, k: int = fp_lib.K) -> dict:
@@ -190,20 +197,37 @@ class JaxEngine:
   def init_transfer(self, init_info: dict):
     self.transfer_info = dict(init_info or {})
 
-  def start_update(self):
+  def start_update(self, key: Optional[str] = None):
+    """Opens a session (``key``: the client's, or None). An open session with another key is
+    discarded first: no call of it is running (``_xfer`` is held), so it is one its client
+    left (a trainer that died between start and finish); its staged leaves are dropped, the
+    served weights and version stay. Without a key an open session is an error (400)."""
     with self._xfer, self._cond:
       if not self._paused:
         raise EngineError(400, 'call /pause before /start_weight_update')
       if self._session is not None:
-        raise EngineError(400, 'a weight update is already in progress: finish it first')
-      self._session = _Session(dict(self._master))
+        if key is None or self._session.key == key:
+          raise EngineError(400, 'a weight update is already in progress: finish it first')
+        self.sessions_superseded += 1
+      self._session = _Session(dict(self._master), key=key)
 
-  def update(self, blob: bytes):
+  def _own(self, session: Optional[_Session], key: Optional[str], route: str) -> _Session:
+    """``session`` if a keyed call may act on it, else 400 (none open) / 409 (another's)."""
+    if session is None:
+      raise EngineError(400, f'call /start_weight_update before {route}')
+    if key is not None and session.key != key:
+      raise EngineError(409, f'{route}: this update session was superseded by another '
+                             '/start_weight_update (another client started an update)')
+    return session
+
+  def check_session(self, key: Optional[str], route: str):
+    """Raises (`_own`) unless a call with ``key`` may act on the open session."""
+    self._own(self._session, key, route)
+
+  def update(self, blob: bytes, key: Optional[str] = None):
     """Validates ``blob`` fully, then applies it to the staged leaves (never to served ones)."""
     with self._xfer:
-      session = self._session
-      if session is None:
-        raise EngineError(400, 'call /start_weight_update before /update_weights')
+      session = self._own(self._session, key, '/update_weights')
       if session.failed:
         raise EngineError(400, f'this update session already failed ({session.failed}): '
                                'finish it without a version')
@@ -255,15 +279,18 @@ class JaxEngine:
     self.timings['apply_s'] = time.perf_counter() - start - self.timings['draw_s']
     return new
 
-  def finish_update(self, weight_version: Optional[str] = None) -> str:
+  def finish_update(self, weight_version: Optional[str] = None,
+                    key: Optional[str] = None) -> str:
     """Commits the staged weights as ``weight_version``; without one, discards them."""
     with self._xfer:
       with self._cond:
-        session, self._session = self._session, None
-      if session is None:
-        if weight_version is not None and str(weight_version) == self._version:
-          return self._version  # a repeated finish of a commit that landed: idempotent
-        raise EngineError(400, 'no weight update in progress')
+        session = self._session
+        if session is None:
+          if weight_version is not None and str(weight_version) == self._version:
+            return self._version  # a repeated finish of a commit that landed: idempotent
+          raise EngineError(400, 'no weight update in progress')
+        self._own(session, key, '/finish_weight_update')
+        self._session = None
       if weight_version is None:
         return self._version
       if session.failed or session.new_version is None:

@@ -18,7 +18,9 @@ _HOST = flags.DEFINE_string('host', '127.0.0.1', 'Address to bind.')
 _PORT = flags.DEFINE_integer('port', 8100, 'Port (0: any free port).')
 _TOKEN = flags.DEFINE_string('token', None, 'Bearer token (default: $LOGRA_BRIDGE_TOKEN).')
 _DTYPE = flags.DEFINE_string('dtype', 'float32', 'Compute and storage dtype.')
-_MAX_UPDATE = flags.DEFINE_integer('max_update_bytes', 8 << 30, 'Largest update blob (413).')
+_MAX_UPDATE = flags.DEFINE_integer(
+    'max_update_bytes', None, 'Largest update blob (413). Default: sized from the model, its '
+    'full fp32 blob x 1.25 + headers (admission.max_update_bytes).')
 _PORT_FILE = flags.DEFINE_string('port_file', None, 'Write the URL here once serving.')
 _PAD = flags.DEFINE_integer('pad_id', 0, 'Padding token id.')
 _PAUSE_TIMEOUT = flags.DEFINE_float(

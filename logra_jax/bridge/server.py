@@ -20,6 +20,7 @@ import json
 import threading
 import time
 import urllib.parse
+from typing import Optional
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from logra_jax.bridge import admission
@@ -28,6 +29,8 @@ from logra_jax.bridge.engine import EngineError, JaxEngine
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 
 MAX_JSON_BYTES = 4 << 20
+SESSION_HEADER = 'X-Logra-Session'  # the client's key of an update session (engine.py)
+SESSION_KEY = '\0session'  # where the handler passes it to the routes (no query name clashes)
 SOCKET_TIMEOUT_S = 120.0  # a connection idle (or sending nothing) this long is closed
 
 
@@ -35,7 +38,7 @@ class BridgeServer(ThreadingHTTPServer):
   daemon_threads = True
 
   def __init__(self, engine: JaxEngine, token: str, host: str = '127.0.0.1', port: int = 0,
-               model_name: str = 'logra', max_update_bytes: int = admission.DEFAULT_MAX_BYTES,
+               model_name: str = 'logra', max_update_bytes: Optional[int] = None,
                update_dirs: tuple = (), update_origins: tuple = (), tokenizer=None,
                socket_timeout_s: float = SOCKET_TIMEOUT_S):
     """``socket_timeout_s``: the longest a read or write on a connection may block (a client
@@ -46,7 +49,9 @@ class BridgeServer(ThreadingHTTPServer):
     super().__init__((host, port), _Handler)
     self.engine, self.token, self.model_name = engine, token, model_name
     self.socket_timeout_s = socket_timeout_s
-    self.max_update_bytes, self.tokenizer = max_update_bytes, tokenizer
+    self.max_update_bytes = (admission.max_update_bytes(engine.spec) if max_update_bytes is None
+                             else max_update_bytes)  # None: sized from the model
+    self.tokenizer = tokenizer
     self.update_dirs = admission.update_dirs(update_dirs)
     self.update_origins = admission.update_origins(update_origins)
 
@@ -189,6 +194,9 @@ class _Handler(BaseHTTPRequestHandler):
       if route is None:
         return self._send(404, _error(404, f'no route {method} {url.path}'))
       query = dict(urllib.parse.parse_qsl(url.query))
+      query.pop(SESSION_KEY, None)
+      if self.headers.get(SESSION_HEADER):  # the update session's key (engine.start_update)
+        query[SESSION_KEY] = self.headers[SESSION_HEADER]
       self._send(200, route(self.server, body, query))
     except EngineError as e:
       self._send(e.status, _error(e.status, str(e)))
@@ -216,7 +224,7 @@ def _completions(srv, body, query):
 
 
 def _update(srv, body, query):
-  del query
+  srv.engine.check_session(query.get(SESSION_KEY), '/update_weights')  # before any read
   start = time.perf_counter()
   try:
     blob = admission.read_update(body.get('update_info'), dirs=srv.update_dirs,
@@ -225,15 +233,15 @@ def _update(srv, body, query):
   except admission.Refused as e:
     raise EngineError(e.status, str(e)) from None
   read_s = time.perf_counter() - start
-  srv.engine.update(blob)
+  srv.engine.update(blob, key=query.get(SESSION_KEY))
   srv.engine.timings['read_s'] = read_s
   return {'status': 'ok'}
 
 
 def _finish(srv, body, query):
-  del query
   version = body.get('weight_version')
-  return {'weight_version': srv.engine.finish_update(None if version is None else str(version))}
+  return {'weight_version': srv.engine.finish_update(None if version is None else str(version),
+                                                     key=query.get(SESSION_KEY))}
 
 
 def _call(action, status):
@@ -270,7 +278,8 @@ ROUTES = {
     ('POST', '/resume'): _call(lambda e, b, q: e.resume(), 'resumed'),
     ('POST', '/init_weight_transfer_engine'): _call(
         lambda e, b, q: e.init_transfer(b.get('init_info')), 'ok'),
-    ('POST', '/start_weight_update'): _call(lambda e, b, q: e.start_update(), 'ok'),
+    ('POST', '/start_weight_update'): _call(lambda e, b, q: e.start_update(q.get(SESSION_KEY)),
+                                            'ok'),
     ('POST', '/update_weights'): _update,
     ('POST', '/finish_weight_update'): _finish,
 }

@@ -62,6 +62,12 @@ class RolloutSection:
   # compared with the trainer's: generator_drift logged, a server past the tolerance re-synced
   # in full (generator_resyncs; docs/bridge.md). 0: never checked
   drift_check_every: int = 10
+  # the client's timeouts, seconds (bridge/client.py `Timeouts`): a server that does not answer
+  # in time is marked down after that one call (not repeated); docs/bridge.md
+  connect_timeout_s: float = 10.0      # the TCP connection
+  health_timeout_s: float = 10.0       # GET /health
+  generation_timeout_s: float = 300.0  # one /v1/completions call
+  update_timeout_s: float = 900.0      # each call of an update (pause … resume), /weight_info
   # 0: on-policy. s > 0: step t+s's rollouts are generated during step t's update, by the
   # weights before it (staleness s; TIS corrects it; train/rollout.py `Rollouts`)
   max_staleness: int = 0
@@ -296,6 +302,10 @@ def _check(cfg: TrainConfig):
                      f'urls={r.urls!r}, launch={r.launch}')
   if r.launch < 0 or r.full_sync_every < 0:
     raise ValueError('config keys rollout.launch and rollout.full_sync_every must be >= 0')
+  for key in ('connect_timeout_s', 'health_timeout_s', 'generation_timeout_s',
+              'update_timeout_s'):
+    if not getattr(r, key) > 0:
+      raise ValueError(f'config key rollout.{key} must be > 0, got {getattr(r, key)!r}')
   if r.max_staleness < 0:
     raise ValueError(f'config key rollout.max_staleness must be >= 0 (0: on-policy), '
                      f'got {r.max_staleness}')

@@ -25,7 +25,7 @@ import jax
 
 from logra_jax.bridge import device_fingerprint, sync
 from logra_jax.bridge import fingerprint as fp_lib
-from logra_jax.bridge.client import BridgeError, Fleet, ServerClient
+from logra_jax.bridge.client import BridgeError, Fleet, ServerClient, Timeouts
 from logra_jax.models import hf_io
 from logra_jax.train.config import TrainConfig
 
@@ -88,6 +88,13 @@ def stop_servers(procs):
       p.kill()
 
 
+def client_timeouts(rollout) -> Timeouts:
+  """The client's `Timeouts` from config keys rollout.*_timeout_s."""
+  return Timeouts(connect_s=rollout.connect_timeout_s, health_s=rollout.health_timeout_s,
+                  generation_s=rollout.generation_timeout_s,
+                  update_s=rollout.update_timeout_s)
+
+
 class FleetGenerator:
   """A `Generator` over HTTP servers, with the trainer's update broadcast."""
 
@@ -108,7 +115,7 @@ class FleetGenerator:
       urls, self._procs = launch_servers(model_dir, r.launch, token, fleet_dir, pad_id,
                                          r.launch_platform)
       self._relaunch = (model_dir, token, fleet_dir, pad_id, r.launch_platform)
-    self.fleet = Fleet(urls, token, blob_dir=r.blob_dir or None)
+    self.fleet = Fleet(urls, token, blob_dir=r.blob_dir or None, timeouts=client_timeouts(r))
     if r.drift_check_every < 0:
       raise ValueError('config key rollout.drift_check_every must be >= 0 (0: never)')
     self._full_sync(params, version)
@@ -185,7 +192,7 @@ class FleetGenerator:
     with open(self._starting[i]) as f:
       url = f.read().strip()
     try:
-      ServerClient(url, self.fleet.token).wait_healthy(timeout_s=0)
+      ServerClient(url, self.fleet.token, self.fleet.timeouts).wait_healthy(timeout_s=0)
     except BridgeError:
       return None
     del self._starting[i]

@@ -21,11 +21,19 @@ def parse(argv):
   p.add_argument('--token', default=os.environ.get('LOGRA_BRIDGE_TOKEN', ''),
                  help='bearer token for every route but /health (default $LOGRA_BRIDGE_TOKEN)')
   p.add_argument('--max-update-bytes', type=int, default=None,
-                 help='larger update blobs are refused with 413 (default: 8 GiB, the limit '
-                 'of logra_jax/bridge/admission.py)')
+                 help='larger update blobs are refused with 413 (default: sized from the '
+                 "model, its full fp32 blob x 1.25 + headers: logra_jax/bridge/admission.py's "
+                 'max_update_bytes)')
   p.add_argument('--update-origins', default=os.environ.get('LOGRA_UPDATE_ORIGINS', ''),
                  help='comma-separated http(s)://host:port that update_info.url may name (the '
                  "trainer's blob server); empty: URLs are refused, only paths are read")
+  p.add_argument('--pause-timeout-s', type=float, default=300.0,
+                 help='a completion waits at most this long for /resume, and /pause?mode=wait '
+                 'for in-flight requests, then 503 (a trainer that paused and died hangs no '
+                 'client; as the JAX engine server)')
+  p.add_argument('--timeout-keep-alive', type=int, default=5,
+                 help="seconds uvicorn keeps an idle connection open (vLLM's "
+                 'VLLM_HTTP_TIMEOUT_KEEP_ALIVE)')
   p.add_argument('--dtype', default='float32')
   p.add_argument('--workdir', default=os.path.join(REPO, 'runs', 'vllm'),
                  help='holds the vLLM cache and the HF exports of .gguf models')
@@ -82,6 +90,8 @@ def main(argv=None):
              LOGRA_UPDATE_ORIGINS=args.update_origins,
              PYTHONPATH=os.pathsep.join(p for p in [HERE, os.environ.get('PYTHONPATH')] if p))
   env.pop('VLLM_SERVER_DEV_MODE', None)
+  env['LOGRA_PAUSE_TIMEOUT_S'] = str(args.pause_timeout_s)
+  env['VLLM_HTTP_TIMEOUT_KEEP_ALIVE'] = str(args.timeout_keep_alive)
   if args.max_update_bytes is not None:
     env['LOGRA_MAX_UPDATE_BYTES'] = str(args.max_update_bytes)
   env.setdefault('VLLM_CPU_KVCACHE_SPACE', '1')

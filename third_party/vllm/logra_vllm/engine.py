@@ -108,7 +108,7 @@ class LograWeightTransferEngine(WeightTransferEngine[LograInitInfo, LograUpdateI
     self.master = read_checkpoint(self.model_config.model)
     self.spec = {name: tuple(x.shape) for name, x in self.master.items()}
     self.max_bytes = int(os.environ.get('LOGRA_MAX_UPDATE_BYTES')
-                         or admission.DEFAULT_MAX_BYTES)
+                         or admission.max_update_bytes(self.spec))
     self.update_dirs = admission.update_dirs()
     self.update_origins = admission.update_origins()
     self.token = os.environ.get('LOGRA_BRIDGE_TOKEN', '')

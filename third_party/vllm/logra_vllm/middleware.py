@@ -22,14 +22,22 @@
   the opening of a window, and /resume's check of the window, hold one lock, so no /resume
   slips between them; a window closes only when the engine's session has ended (a finish
   whose body is malformed is answered 400 and leaves the window, and the session, open). A
-  completion during which no commit happened was produced by the version read when it
-  arrived, exactly. One
-  that overlapped a commit (a request frozen by /pause?mode=keep, or one queued during a
-  pause) reports the OLDER version as `weight_version` and the range as
+  completion arriving while paused waits here (at most PAUSE_TIMEOUT_S, then 503) and reads
+  the version once generation resumes. A completion during which no commit happened was
+  produced by the version read when it arrived, exactly. One that overlapped a commit (a
+  request frozen by /pause?mode=keep, or one that passed the paused check as a pause came)
+  reports the OLDER version as `weight_version` and the range as
   `weight_versions: [old, new]`: never newer than the weights that produced a token. The
   trainer waits for its completions before it sends an update, so its are exact. Versions
   are set only by /finish_weight_update (/update_weight_version is refused). Streaming
   responses pass through unchanged. One API-server process (vLLM's default) is assumed.
+* Update sessions may carry a key (header X-Logra-Session, the trainer's client sends a fresh
+  one per push): a keyed start while another key's window is open and idle ends that window
+  first (vLLM's finish without a version: the engine rolls back; a trainer that died
+  mid-update leaves it open), and a keyed /update_weights or /finish_weight_update of a
+  superseded session is 409. Bounds: a /pause that has not returned after PAUSE_TIMEOUT_S
+  ($LOGRA_PAUSE_TIMEOUT_S, the launcher's --pause-timeout-s) is undone and answered 503; a
+  request body over MAX_BODY_BYTES is 413.
 * /update_weights: a refusal recorded by the `logra` engine is answered with its 4xx status and
   OpenAI-shaped JSON ``{"error": {"message", "type", "code"}, "weight_version"}``.
 * /finish_weight_update {"weight_version": V} keeps the session's updates if V is their
@@ -45,6 +53,9 @@ import os
 import urllib.parse
 
 OPEN_PATHS = ('/health',)
+SESSION_HEADER = b'x-logra-session'  # an update session's key (the trainer's, fresh per push)
+PAUSE_TIMEOUT_S = float(os.environ.get('LOGRA_PAUSE_TIMEOUT_S') or 300)  # as the JAX engine
+MAX_BODY_BYTES = 4 << 20  # every route's JSON body (blobs travel by path or URL, not here)
 ROUTES = frozenset({
     ('GET', '/health'), ('GET', '/v1/models'), ('POST', '/v1/completions'),
     ('POST', '/pause'), ('POST', '/resume'), ('GET', '/is_paused'), ('GET', '/weight_info'),
@@ -121,6 +132,9 @@ class LograMiddleware:
     self._version = '0'  # the committed version (kept in step by /finish_weight_update)
     self._commits = 0    # commits so far: a completion spanning one reports a range
     self._window = False  # between /start_weight_update and /finish_weight_update
+    self._session_key = None  # the open window's session key (None: a keyless client)
+    self._busy = 0  # /update_weights calls in progress (a window being used is not stale)
+    self.sessions_superseded = 0
 
   def _authorized(self, scope) -> bool:
     got = dict(scope.get('headers') or []).get(b'authorization', b'')
@@ -138,17 +152,30 @@ class LograMiddleware:
       return await send({'type': 'websocket.close', 'code': 1008})
     if (scope.get('method'), path) not in ROUTES:
       return await _send_json(send, 404, _error(404, f'no route {scope.get("method")} {path}'))
+    length = dict(scope.get('headers') or []).get(b'content-length', b'0')
+    if not length.isdigit() or int(length) > MAX_BODY_BYTES:
+      return await _send_json(send, 413, _error(
+          413, f'request body of {length.decode("latin-1")} bytes: at most {MAX_BODY_BYTES}'))
+    key = dict(scope.get('headers') or []).get(SESSION_HEADER)
     self._add_rl_routes(scope['app'])
     engine = scope['app'].state.engine_client
     await self._start_at_zero(engine)
+    if path in ('/update_weights', '/finish_weight_update') and not self._owns(key):
+      return await _send_json(send, 409, _error(
+          409, f'{path}: this update session was superseded by another /start_weight_update '
+               '(another client started an update)'))
     if path == '/update_weights':
-      return await self._update(engine, scope, receive, send)
+      self._busy += 1
+      try:
+        return await self._update(engine, scope, receive, send)
+      finally:
+        self._busy -= 1
     if path == '/finish_weight_update':
       async with self._window_lock:
         return await self._finish(engine, scope, receive, send)
     if path == '/start_weight_update':
       async with self._window_lock:
-        return await self._start(engine, scope, receive, send)
+        return await self._start(engine, scope, receive, send, key)
     if path == '/resume':
       async with self._window_lock:
         if self._window:
@@ -161,7 +188,13 @@ class LograMiddleware:
       return await _send_json(send, 400, _error(
           400, 'weight versions are set by /finish_weight_update {"weight_version"}'))
     if path == '/v1/completions':
+      if not await self._wait_unpaused(engine):
+        return await _send_json(send, 503, _error(
+            503, f'generation has been paused for more than {PAUSE_TIMEOUT_S:g} s (a weight '
+                 'update with no /resume yet): try again later'))
       return await self._completions(scope, receive, send)
+    if path == '/pause':
+      return await self._pause(engine, scope, receive, send)
     if path == '/weight_info' and b'fingerprint=' in scope.get('query_string', b''):
       return await self._fingerprint(engine, scope, send)
     return await self.app(scope, receive, send)
@@ -193,17 +226,80 @@ class LograMiddleware:
       app.include_router(api_router.router)
     self._rl_routes = True
 
-  async def _start(self, engine, scope, receive, send):
+  def _owns(self, key) -> bool:
+    """A keyed call acts only on its own session (a keyless one on whatever is open)."""
+    return key is None or not self._window or self._session_key == key
+
+  async def _wait_unpaused(self, engine) -> bool:
+    """False if generation stays paused for PAUSE_TIMEOUT_S (a pauser that died: the request
+    is answered 503 instead of waiting inside vLLM without bound)."""
+    deadline = asyncio.get_running_loop().time() + PAUSE_TIMEOUT_S
+    while await engine.is_paused():
+      if asyncio.get_running_loop().time() >= deadline:
+        return False
+      await asyncio.sleep(0.1)
+    return True
+
+  async def _pause(self, engine, scope, receive, send):
+    """vLLM's /pause, bounded: one that has not returned after PAUSE_TIMEOUT_S (mode=wait
+    with requests that do not finish) is undone (resumed) and answered 503."""
+    messages = []
+
+    async def capture(message):
+      messages.append(message)
+    try:
+      await asyncio.wait_for(self.app(scope, receive, capture), PAUSE_TIMEOUT_S)
+    except asyncio.TimeoutError:  # the pause was cancelled; undo what it did
+      await engine.resume_generation()
+      return await _send_json(send, 503, _error(
+          503, f'/pause did not finish within {PAUSE_TIMEOUT_S:g} s (in-flight requests still '
+               'running); not paused (use mode=keep to pause without waiting)'))
+    for message in messages:
+      await send(message)
+
+  async def _end_stale_session(self, engine, scope):
+    """Ends the open window's session (a client that started it and died): vLLM's finish
+    with no version, so the engine rolls back what it staged; weights and version unchanged."""
+    messages = []
+
+    async def capture(message):
+      messages.append(message)
+    finish = dict(scope, path='/finish_weight_update', raw_path=b'/finish_weight_update',
+                  query_string=b'')
+
+    async def empty():
+      return {'type': 'http.request', 'body': b'{}', 'more_body': False}
+    await self.app(finish, empty, capture)
+    self._window = (await self._status(engine))['in_session']
+    if self._window:
+      raise RuntimeError('logra: the stale update session did not end')
+    self.sessions_superseded += 1
+
+  async def _start(self, engine, scope, receive, send, key=None):
     """Opens an update window, only while paused (vLLM's engine crashes on an update of a
-    running model). The caller holds the window lock."""
+    running model). A start with a session key while another client's window is open and
+    idle (no /update_weights of it running) ends that one first (`_end_stale_session`); a
+    keyless start then is vLLM's (refused). The caller holds the window lock."""
     if not await engine.is_paused():
       return await _send_json(send, 400, _error(
           400, 'call /pause before /start_weight_update (an update needs paused generation)'))
+    if self._window and key is not None and key != self._session_key:
+      if self._busy:
+        return await _send_json(send, 409, _error(
+            409, 'another client\'s update is being applied: try again after it'))
+      await self._end_stale_session(engine, scope)
+    was_open, old_key = self._window, self._session_key
     self._window = True
+    if not was_open:  # set before vLLM answers: the client's next call may come at once
+      self._session_key = key
     try:
       await self.app(scope, receive, send)
     finally:
       self._window = (await self._status(engine))['in_session']
+      if not self._window:
+        self._session_key = None
+      elif was_open:
+        self._session_key = old_key
 
   async def _rpc(self, engine, receive, send):
     """/collective_rpc for the read-only `RPC_METHODS` ({"method", "args": [str]})."""
@@ -305,6 +401,8 @@ class LograMiddleware:
       await self.app(scope, _replay(body, receive), capture)
     finally:
       self._window = (await self._status(engine))['in_session']
+      if not self._window:
+        self._session_key = None
     if messages and messages[0].get('status') == 200:  # synced before the client hears back
       version = (await self._status(engine))['version']
       if await engine.get_weight_version() != version:
