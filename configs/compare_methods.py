@@ -24,7 +24,8 @@ with, paired by seed), and `adam_sketched`: AdamW on the kernels LoGRA sketches 
 parameters" from "sketch noise". Tiny also has the levers' arms: `logra_m0.9_T10` and
 `logra_m0.9_T100`, LoGRA with A held for 10 / 100 steps and sketch-space momentum 0.9 carried
 across its redraws (optim.logra.refresh_every, optim.logra.momentum; sketch/momentum.py),
-and the diagnostic `logra_exact` (rank = d_in, orthogonal rows: the exact gradient through
+`logra_m0.9_fixed` (A never redrawn, momentum 0.9; added after the first two had run), and the
+diagnostic `logra_exact` (rank = d_in, orthogonal rows: the exact gradient through
 RowAdam and the budget, no sketch noise).
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
@@ -72,6 +73,8 @@ def ablation(arg=None) -> dict:
     for every in (10, 100):  # A held `every` steps, momentum carried across redraws
       arms[f'logra_m0.9_T{every}'] = {'optim.logra.momentum': 0.9,
                                       'optim.logra.refresh_every': every}
+    # The limit of holding A (never redrawn), fixed after T10/T100 ran, before its own runs.
+    arms['logra_m0.9_fixed'] = {'optim.logra.momentum': 0.9, 'optim.logra.refresh': False}
     # A diagnostic, not a candidate: rank = d_in with orthogonal rows makes AᵀA = I, so the
     # sketch is the exact gradient; what is left of the gap is RowAdam + the budget.
     arms['logra_exact'] = {'optim.logra.projection': 'orthogonal', 'optim.logra.rank': 128,
