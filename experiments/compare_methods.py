@@ -91,14 +91,22 @@ def paired_difference(runs: dict, ref_runs: dict) -> dict:
   return {'seeds': seeds, 'mean': m, 'se': se}
 
 
+BASE_ARM = 'logra'  # the task config's LoGRA: every other LoGRA arm is a lever on it
+
+
 def aggregate(runs: dict, reference_arms) -> dict:
-  """{arm: {seed: run}} -> {'arms': {arm: summary + paired}, 'reference': best adam arm}."""
+  """{arm: {seed: run}} -> {'arms': {arm: summary + paired}, 'reference': best adam arm}.
+
+  Every arm gets ``vs_reference`` (final pass@1 minus the reference's, paired by seed); every
+  LoGRA lever arm (``logra_*``) also ``vs_logra``, its effect over the base LoGRA arm."""
   arms = {a: arm_summary(r) for a, r in runs.items() if r}
   refs = [a for a in reference_arms if a in arms]
   reference = max(refs, key=lambda a: arms[a]['final_mean']) if refs else None
   for a, s in arms.items():
     if reference is not None:
       s['vs_reference'] = paired_difference(runs[a], runs[reference])
+    if a.startswith(BASE_ARM + '_') and BASE_ARM in arms:
+      s['vs_logra'] = paired_difference(runs[a], runs[BASE_ARM])
   return {'arms': arms, 'reference': reference}
 
 
@@ -190,6 +198,8 @@ def markdown(results: dict) -> str:
         'arm': arm, 'seeds': s['n'], 'final pass@1': _pm(s['final_mean'], s['final_se']),
         'best pass@1': _pm(s['best_mean'], s['best_se']),
         f'final − {ref}': _pm(d.get('mean'), d.get('se')) if ref and arm != ref else '',
+        f'final − {BASE_ARM}': _pm(s['vs_logra']['mean'], s['vs_logra']['se'])
+                               if 'vs_logra' in s else '',
         'opt state MiB': _mib(m.get('opt_state_bytes')), 'grad MiB': _mib(m.get('grad_bytes')),
         'step peak MiB': _mib(m.get('step_peak_bytes')),
         'wall min': f"{s['wall_s_mean'] / 60:.1f}" if s.get('wall_s_mean') else ''})

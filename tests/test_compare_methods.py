@@ -54,7 +54,18 @@ def test_paired_difference_over_common_seeds_and_the_best_reference():
   assert d['se'] == pytest.approx(np.std([0.1, -0.1], ddof=1) / math.sqrt(2))
   logra = out['arms']['logra']
   assert logra['final_mean'] == pytest.approx(0.7)
+  assert 'vs_logra' not in logra and 'vs_logra' not in out['arms']['adam_a']
   assert logra['curve'][1][0] == 5 and logra['curve'][1][1] == pytest.approx(0.7)
+
+
+def test_a_lever_arm_is_paired_with_the_base_logra_arm():
+  run = lambda final: {'final': final, 'best': final, 'curve': [(0, 0.1), (5, final)]}
+  runs = {'logra': {0: run(0.5), 1: run(0.7)}, 'logra_m0.9_T10': {0: run(0.6), 1: run(0.9)},
+          'adam_a': {0: run(0.4), 1: run(0.8)}}
+  lever = compare_methods.aggregate(runs, ['adam_a'])['arms']['logra_m0.9_T10']
+  assert lever['vs_logra']['mean'] == pytest.approx(0.15)  # (0.1 + 0.2) / 2
+  assert lever['vs_logra']['se'] == pytest.approx(np.std([0.1, 0.2], ddof=1) / math.sqrt(2))
+  assert lever['vs_reference']['mean'] == pytest.approx(0.15)  # (0.2 + 0.1) / 2
 
 
 # ------------------------------------------------------------------- the smoke study
