@@ -240,16 +240,22 @@ def test_fleet_generator_passes_rollout_launch_platform(tmp_path, monkeypatch):
     fleet.FleetGenerator(cfg, str(tmp_path), None, {}, 0)
 
 
-def test_fleet_generator_passes_rollout_blob_dir(tmp_path, monkeypatch):
-  """rollout.blob_dir (a directory servers on other hosts share) reaches the client."""
+def test_fleet_generator_passes_rollout_blob_dir_and_timeouts(tmp_path, monkeypatch):
+  """rollout.blob_dir (a directory servers on other hosts share) and the client's timeouts
+  (rollout.*_timeout_s) reach the client."""
   class Built(Exception):
     pass
 
-  def fleet_cls(urls, token, blob_dir=None):
-    raise Built(blob_dir)
+  def fleet_cls(urls, token, blob_dir=None, timeouts=None):
+    raise Built(blob_dir, timeouts)
   monkeypatch.setenv('LOGRA_BRIDGE_TOKEN', 'token')
   monkeypatch.setattr(fleet, 'Fleet', fleet_cls)
   cfg = make_config(rollout__engine='http', rollout__urls='http://127.0.0.1:1',
-                    rollout__blob_dir=str(tmp_path))
-  with pytest.raises(Built, match=f'^{tmp_path}$'):
+                    rollout__blob_dir=str(tmp_path), rollout__connect_timeout_s=3.0,
+                    rollout__generation_timeout_s=42.0)
+  with pytest.raises(Built) as built:
     fleet.FleetGenerator(cfg, str(tmp_path), None, {}, 0)
+  blob_dir, timeouts = built.value.args
+  assert blob_dir == str(tmp_path)
+  assert timeouts == fleet.client_timeouts(cfg.rollout)
+  assert (timeouts.connect_s, timeouts.generation_s) == (3.0, 42.0)
