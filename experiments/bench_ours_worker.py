@@ -78,6 +78,7 @@ def main(argv):
                     zip(rec['step_s'], rec['generate_s'], rec['score_s'], rec['train_s'])]
   rec['peak_rss_gib'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB
   rec['remat_policy'] = cfg.model.remat_policy
+  rec['micro_batches'] = cfg.optim.micro_batches
   rec['optim'] = cfg.optim.name
   with open(_OUT.value, 'w') as f:
     json.dump(rec, f)

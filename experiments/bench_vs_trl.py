@@ -23,7 +23,8 @@ What is equal on both sides (issue 25):
 
 Arms, one run each per round, in this order: TRL with gradient_checkpointing off (its
 fastest) and on (its default, its smallest), ours (LoGRA, the config's defaults; the
-experiments/bench_ours_worker.py process) at each ``--remat`` policy (default none and full),
+experiments/bench_ours_worker.py process) at each ``--remat`` setting (default none and full;
+'POLICY:M' also sets optim.micro_batches=M: TRL takes its batch in one pass),
 then (``--adam``, default on) our dense AdamW with TRL's AdamW settings. ``--rounds`` rounds
 (default 3) interleave the arms: TRL off, TRL on, ours none, ours full, adam, then the next
 round. Every ratio is computed per round; the last line gives its median over rounds and its
@@ -43,7 +44,8 @@ raw per-step record as WORKDIR/round{i}_{arm}.json. The LAST line is one JSON ob
 (smallest remat) / TRL with checkpointing, "tokens_per_s_ratio" (generated tokens per second
 of step, ours fastest / TRL fastest), their "..._range": [lo, hi], "rounds",
 "tokens_per_step": {"trl": {...}, "ours": {...}}, "trl_gradient_checkpointing": [false, true],
-"ours_remat": [...], "ours_fastest", "ours_smallest", and with the adam arm
+"ours_remat": [...], "ours_micro_batches": [...] (None: the config's), "ours_fastest",
+"ours_smallest", and with the adam arm
 "adam_step_time_ratio", "adam_peak_rss_ratio" (and ranges), "logra_over_adam"}.
 """
 import argparse
@@ -70,7 +72,8 @@ def parse_args(argv=None):
   p.add_argument('--steps', type=int, default=8)
   p.add_argument('--rounds', type=int, default=3, help='interleaved rounds (each arm once each)')
   p.add_argument('--remat', action='append', default=None,
-                 help="our model.remat_policy settings, one run each per round "
+                 help="our settings, one run each per round: a model.remat_policy, optionally "
+                      "with ':M', optim.micro_batches=M (else the config's), e.g. none:2 "
                       "(default: none and full)")
   p.add_argument('--prompts_per_step', type=int, default=4)
   p.add_argument('--samples', type=int, default=4)
@@ -175,9 +178,12 @@ def trl_arm(checkpointing: bool) -> dict:
           'gradient_checkpointing': checkpointing}
 
 
-def ours_arm(remat: str, adam: bool = False) -> dict:
-  return {'side': 'ours', 'name': f"{'adam' if adam else 'ours'}_remat_{remat}",
-          'remat_policy': remat, 'adam': adam}
+def ours_arm(setting: str, adam: bool = False) -> dict:
+  """Our arm at ``setting`` = 'POLICY' or 'POLICY:M' (remat policy, M micro-batches)."""
+  remat, _, mb = setting.partition(':')
+  name = f"{'adam' if adam else 'ours'}_remat_{remat}" + (f'_mb{int(mb)}' if mb else '')
+  return {'side': 'ours', 'name': name, 'remat_policy': remat, 'adam': adam,
+          'micro_batches': int(mb) if mb else None}
 
 
 def arms(args) -> list:
@@ -203,6 +209,13 @@ def run_trl(python, model_dir, prompts, order, out, args, checkpointing: bool) -
 ADAM_VARIANT = 'adam'
 ADAM_FLAGS = ('optim.adam.learning_rate=1e-6', 'optim.adam.b2=0.999',
               'optim.adam.max_grad_norm=1.0', 'optim.adam.weight_decay=0.0')
+
+
+def arm_overrides(arm: dict) -> tuple:
+  """The config overrides of one of our arms: TRL's AdamW settings for the adam arm, and the
+  setting's micro-batches where it names them."""
+  mb = (f"optim.micro_batches={arm['micro_batches']}",) if arm['micro_batches'] else ()
+  return (ADAM_FLAGS if arm['adam'] else ()) + mb
 
 
 def ours_flags(args, run_dir, prompts, eval_prompts, remat='none', extra=(), model_dir=None,
@@ -273,6 +286,7 @@ def ratios(rounds: list, ours_names: list, adam_name=None) -> dict:
          'tokens_per_step': {'trl': _tokens(rounds, 'trl_gc_off'), 'ours': _tokens(rounds, fast)},
          'trl_gradient_checkpointing': [False, True],
          'ours_remat': [rounds[0][n]['remat_policy'] for n in ours_names],
+         'ours_micro_batches': [rounds[0][n].get('micro_batches') for n in ours_names],
          'ours_fastest': fast, 'ours_smallest': small}
   if adam_name:
     a_time = per(adam_name, 'trl_gc_off', 'step_s')
@@ -299,12 +313,12 @@ def run_round(i, args, python, model_dir, prompts, eval_prompts, order, log: lis
                     arm['gradient_checkpointing'])
     else:
       flags = ours_flags(args, os.path.join(args.workdir, f"round{i}_{arm['name']}"), prompts,
-                         eval_prompts, arm['remat_policy'],
-                         ADAM_FLAGS if arm['adam'] else (), ours_model,
+                         eval_prompts, arm['remat_policy'], arm_overrides(arm), ours_model,
                          ADAM_VARIANT if arm['adam'] else '')
       raw = run_ours(result, flags)
     out[arm['name']] = dict(summarize(raw, args.skip_steps), **{
-        k: raw[k] for k in ('gradient_checkpointing', 'remat_policy') if k in raw})
+        k: raw[k] for k in ('gradient_checkpointing', 'remat_policy', 'micro_batches')
+        if k in raw})
     log.append({'round': i, 'arm': arm['name']})
   return out
 

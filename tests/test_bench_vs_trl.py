@@ -72,6 +72,19 @@ def test_ratios_take_ours_best_against_trls_fastest_and_smallest():
   assert r['tokens_per_step']['ours'] == {'prompt': 100.0, 'generated': 64.0, 'trained': 64.0}
 
 
+def test_a_setting_with_micro_batches_reaches_our_worker():
+  """'none:2' is remat none with optim.micro_batches=2 (its own arm name); 'full' keeps the
+  config's micro-batches (no flag)."""
+  args = bench_vs_trl.parse_args(['--remat=none:2', '--remat=full', '--no-adam'])
+  ours = [a for a in bench_vs_trl.arms(args) if a['side'] == 'ours']
+  assert [(a['name'], a['remat_policy'], a['micro_batches']) for a in ours] == [
+      ('ours_remat_none_mb2', 'none', 2), ('ours_remat_full', 'full', None)]
+  flags = lambda arm: bench_vs_trl.ours_flags(
+      args, '/run', 'p.jsonl', 'e.jsonl', arm['remat_policy'], bench_vs_trl.arm_overrides(arm))
+  assert '--config.optim.micro_batches=2' in flags(ours[0])
+  assert not any('micro_batches' in f for f in flags(ours[1]))
+
+
 @pytest.fixture(scope='module')
 def tiny_bench(tmp_path_factory):
   """The whole harness on --model=tiny: 2 rounds of TRL 1.16's GRPOTrainer in .venv-trl
