@@ -42,7 +42,7 @@ def _sibling(name):
 
 def tiny_base():
   """configs/tiny.py at ablation size: fewer prompts and held-out problems, a few steps."""
-  cfg = _sibling('tiny').get_config()
+  cfg = _sibling('tiny').get_config('paper')  # the paper's LoGRA (A every step)
   cfg.data.prompts_per_step = 16
   cfg.data.eval_size = 64
   cfg.total_steps = 8

@@ -47,7 +47,7 @@ def _check(arg):
 
 
 def _tiny():
-  cfg = _sibling('tiny').get_config()
+  cfg = _sibling('tiny').get_config('paper')  # the paper's LoGRA (A every step)
   cfg.data.prompts_per_step = 16
   cfg.data.eval_size = 128
   cfg.eval.k = 2

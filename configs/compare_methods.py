@@ -17,7 +17,8 @@ train.py command; results.json records it). The tasks:
   smoke    the tiny task cut to seconds (a 200-step warm start, 4 x 4 rollouts, 3 steps, 8
            held-out problems): the suite's check of the study's bookkeeping, not a result.
 
-The arms: `logra` (the task config's LoGRA as it is), dense AdamW at three learning rates
+The arms: `logra` (the paper's LoGRA: A redrawn every step, no momentum; on tiny pinned to
+the settings tiny.py had before session 14 made `logra_m0.95_T100` its default), dense AdamW at three learning rates
 around the task config's (the sweep: the best of them is the reference every arm is compared
 with, paired by seed), and `adam_sketched`: AdamW on the kernels LoGRA sketches only
 (optim.adam.trainable='sketched', the middle learning rate), which separates "fewer trained
@@ -67,7 +68,11 @@ def ablation(arg=None) -> dict:
     lrs, seeds, seq = (3e-6, 1e-5, 3e-5), (0, 1), (128, 48)
   else:                  # tiny.py:adam's lr is 2e-4 (the best of 1e-4 / 2e-4 / 4e-4 once)
     lrs, seeds, seq = (1e-4, 2e-4, 4e-4), (0, 1, 2), (16, 4)
-  arms = {'logra': {}}
+  # `logra` is the paper's LoGRA (A redrawn every step, no momentum), pinned: tiny.py's default
+  # became logra_m0.95_T100 after this study (session 14), and every arm below keeps the
+  # settings it ran with.
+  base = dict(_sibling('tiny').PAPER_LOGRA) if task != 'smollm2' else {}
+  arms = {'logra': base}
   arms.update({f'adam_lr{lr:g}': _adam(lr) for lr in lrs})
   arms['adam_sketched'] = _adam(lrs[1], 'sketched')
   if task == 'tiny':  # the levers (issue 23, item 4), fixed before their runs
@@ -78,8 +83,9 @@ def ablation(arg=None) -> dict:
     arms['logra_m0.9_fixed'] = {'optim.logra.momentum': 0.9, 'optim.logra.refresh': False}
     # A diagnostic, not a candidate: rank = d_in with orthogonal rows makes AᵀA = I, so the
     # sketch is the exact gradient; what is left of the gap is RowAdam + the budget.
-    arms['logra_exact'] = {'optim.logra.projection': 'orthogonal', 'optim.logra.rank': 128,
-                           'optim.logra.rank_rules': 'down_proj=256'}
+    arms['logra_exact'] = dict(base, **{'optim.logra.projection': 'orthogonal',
+                                        'optim.logra.rank': 128,
+                                        'optim.logra.rank_rules': 'down_proj=256'})
     # Session 14, fixed before their runs: momentum made the steps ~15x smaller in KL
     # (realised 0.004-0.006 a step against 0.03-0.07 without it; the ceiling never binds), so
     # the learning rate tuned without momentum (4e-4) is swept again around it, as AdamW's is;
@@ -89,8 +95,13 @@ def ablation(arg=None) -> dict:
                                            'optim.logra.refresh_every': 100,
                                            'optim.logra.learning_rate': lr}
     arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
+    # Session 14, after the three above, before its own runs: their two levers together.
+    arms['logra_m0.95_T100_lr0.0008'] = dict(arms['logra_m0.95_T100'],
+                                             **{'optim.logra.learning_rate': 8e-4})
+  if task == 'smollm2':  # tiny's best lever (tiny.py's default since session 14), before any run
+    arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
   if task == 'smoke':
-    arms = {'logra': {}, f'adam_lr{lrs[1]:g}': _adam(lrs[1])}
+    arms = {'logra': base, f'adam_lr{lrs[1]:g}': _adam(lrs[1])}
     seeds = (0, 1)
   return {'arms': arms, 'seeds': seeds,
           'reference_arms': [a for a in arms if a.startswith('adam_lr')],
