@@ -220,18 +220,37 @@ def _mib(b) -> str:
 
 
 def figure(results: dict):
-  fig, (ax,) = ablation_io.new_figure(1, width=7.0)
-  for arm, s in results['arms'].items():
+  """Left: each arm's mean held-out curve with its s.e. band (AdamW arms dashed; 20 colours,
+  so a dozen arms stay apart). Right: each arm's final pass@1 ± s.e., sorted, the reference
+  arm's mean as a vertical line."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  fig, (ax, bars) = ablation_io.new_figure(2, width=6.5, height=4.5)
+  colours = matplotlib.colormaps['tab20'].colors
+  arms = list(results['arms'].items())
+  for i, (arm, s) in enumerate(arms):
     steps = [c[0] for c in s['curve']]
     mean = [c[1] for c in s['curve']]
     se = [c[2] or 0.0 for c in s['curve']]
-    line, = ax.plot(steps, mean, label=f"{arm} (n={s['n']})")
+    style = '--' if arm.startswith('adam') else '-'
+    colour = colours[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
+    ax.plot(steps, mean, style, color=colour, label=f"{arm} (n={s['n']})")
     ax.fill_between(steps, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)],
-                    color=line.get_color(), alpha=0.2)
+                    color=colour, alpha=0.08)
   ax.set_xlabel('RL step')
   ax.set_ylabel('held-out pass@1 (mean ± s.e. over seeds)')
   ax.set_title(f"compare_methods: {results['task']}")
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=7)
+  final = sorted((s['final_mean'], s['final_se'] or 0.0, arm, i)
+                 for i, (arm, s) in enumerate(arms) if s.get('final_mean') is not None)
+  for y, (m, e, arm, i) in enumerate(final):
+    colour = colours[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
+    bars.errorbar([m], [y], xerr=[e], fmt='o', color=colour, capsize=3)
+  bars.set_yticks(range(len(final)), [f[2] for f in final], fontsize=7)
+  ref = results.get('reference')
+  if ref in results['arms'] and results['arms'][ref].get('final_mean') is not None:
+    bars.axvline(results['arms'][ref]['final_mean'], color='grey', lw=0.8, ls=':')
+  bars.set_xlabel(f'final pass@1 (mean ± s.e.; dotted: {ref})')
+  fig.tight_layout()
   return fig
 
 
