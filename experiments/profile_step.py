@@ -22,16 +22,22 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a config file.',
-                                          lock_config=False)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (a fresh one).')
-_BATCHES = flags.DEFINE_integer('batches', 3, 'Step batches collected and timed.')
-_REPS = flags.DEFINE_integer('reps', 2, 'Passes over the batches per variant.')
-_VARIANTS = flags.DEFINE_multi_string(
-    'variant', ['no_probe:optim.logra.kl_control=False', 'telemetry:optim.telemetry_every=1',
-                'mb4:optim.micro_batches=4'],
-    'NAME:KEY=VALUE[,KEY=VALUE...] config overrides timed against the config as it is.')
-flags.mark_flags_as_required(['config', 'workdir'])
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """The command line's flags (defined when run as a script, not when imported: a test
+  process that imports this module and later runs another absl entry point would otherwise
+  require --config and --workdir there)."""
+  config_flags.DEFINE_config_file('config', None, 'Path to a config file.', lock_config=False)
+  flags.DEFINE_string('workdir', None, 'Run directory (a fresh one).')
+  flags.DEFINE_integer('batches', 3, 'Step batches collected and timed.')
+  flags.DEFINE_integer('reps', 2, 'Passes over the batches per variant.')
+  flags.DEFINE_multi_string(
+      'variant', ['no_probe:optim.logra.kl_control=False', 'telemetry:optim.telemetry_every=1',
+                  'mb4:optim.micro_batches=4'],
+      'NAME:KEY=VALUE[,KEY=VALUE...] config overrides timed against the config as it is.')
+  flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def parse_variant(text: str):
@@ -55,13 +61,13 @@ def main(argv):
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
   from logra_jax.train.config import apply_overrides, from_config_dict  # pylint: disable=g-import-not-at-top
   from logra_jax.train.methods import get_method  # pylint: disable=g-import-not-at-top
-  base = _CONFIG.value
+  base = FLAGS.config
   base.warm_start.steps = 0
   cfg = from_config_dict(base)
-  trainer = loop.Trainer(cfg, _WORKDIR.value, log=lambda *a: None)
+  trainer = loop.Trainer(cfg, FLAGS.workdir, log=lambda *a: None)
   params0 = jax.tree.map(jnp.copy, trainer.method.policy_params(trainer.state))
   batches, gen_s = [], []
-  for t in range(1, _BATCHES.value + 1):
+  for t in range(1, FLAGS.batches + 1):
     start = time.perf_counter()
     batch, p, *_ = trainer.collect(t)
     gen_s.append(time.perf_counter() - start)
@@ -69,7 +75,7 @@ def main(argv):
   trainer.close()
   model = trainer.model
 
-  variants = [('full', {})] + [parse_variant(v) for v in _VARIANTS.value]
+  variants = [('full', {})] + [parse_variant(v) for v in FLAGS.variant]
   methods = {}
   for name, overrides in variants:
     c = copy.deepcopy(base)
@@ -84,7 +90,7 @@ def main(argv):
     state, _ = method.step(state, batch, p, t, budget)
     jax.block_until_ready(state)
     methods[name][1] = state
-  for _ in range(_REPS.value):
+  for _ in range(FLAGS.reps):
     for batch, p, t in batches:
       for name, entry in methods.items():
         method, state = entry
@@ -103,7 +109,7 @@ def main(argv):
                     'workload': {'rows': cfg.data.prompts_per_step * cfg.data.samples_per_prompt,
                                  'max_new_tokens': cfg.rollout.max_new_tokens,
                                  'micro_batches': cfg.optim.micro_batches,
-                                 'batches': _BATCHES.value, 'reps': _REPS.value}}))
+                                 'batches': FLAGS.batches, 'reps': FLAGS.reps}}))
 
 
 # The model.* keys that `tasks.build_model` applies as a ModelConfig replace (no new weights).
@@ -124,4 +130,5 @@ def variant_model(model, cfg, variant_cfg, name):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
