@@ -1,7 +1,7 @@
 """Where a SmolLM2 RL process's memory goes: XLA's memory analysis of each jitted function.
 
   python experiments/memory_breakdown.py                 # SmolLM2, bench_vs_trl's 4 x 4 x 64
-  python experiments/memory_breakdown.py --model=tiny    # the tiny config (CI: seconds)
+  python experiments/memory_breakdown.py --model=tiny    # configs/tiny.py:paper (CI: seconds)
   python experiments/memory_breakdown.py --set=optim.micro_batches=8   # any config override
 
 Compiles the trainer's own jitted functions on one device for one workload: the LoGRA step
@@ -76,8 +76,10 @@ def apply_sets(cfg, sets):
 
 def make_config(args, method: str) -> config_lib.TrainConfig:
   from configs import smollm2_rg, tiny  # pylint: disable=g-import-not-at-top
-  cfg = (smollm2_rg if args.model == 'smollm2' else tiny).get_config(
-      'adam' if method == 'dense' and args.model == 'smollm2' else None)
+  if args.model == 'smollm2':
+    cfg = smollm2_rg.get_config('adam' if method == 'dense' else None)
+  else:  # the paper's LoGRA (no momentum), as configs/smollm2_rg.py's
+    cfg = tiny.get_config('paper')
   if method == 'dense' and cfg.optim.name != 'adam':
     config_lib.switch_method(cfg, 'adam')
   cfg.warm_start.steps = 0

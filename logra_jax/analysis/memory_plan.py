@@ -23,9 +23,12 @@ from logra_jax.train.config import TrainConfig, from_config_dict, switch_method
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GIB = 2**30
-# model key -> (config file, its dense-AdamW variant argument or None)
-CONFIGS = {'tiny': ('tiny.py', None), '1.5b': ('qwen2_5_math_1_5b.py', 'adam'),
-           '7b': ('qwen2_5_math_7b.py', 'adam'), '27b': ('paper_27b_reasoning_gym.py', None)}
+# model key -> (config file, its dense-AdamW variant argument or None, its LoGRA variant
+# argument or None). tiny's LoGRA row is the paper's rule (tiny.py:paper, no momentum), as
+# the paper configs' rows are.
+CONFIGS = {'tiny': ('tiny.py', None, 'paper'), '1.5b': ('qwen2_5_math_1_5b.py', 'adam', None),
+           '7b': ('qwen2_5_math_7b.py', 'adam', None),
+           '27b': ('paper_27b_reasoning_gym.py', None, None)}
 # docs/method.md Table 1: GiB per training GPU (average, peak) on 4 GPUs; None: OOM.
 PAPER = {'1.5b': {'dense': (9.18, 9.19), 'logra': (7.18, 8.66)},
          '7b': {'dense': (31.82, 31.85), 'logra': (17.29, 22.26)},
@@ -53,12 +56,13 @@ def load_config(model_key: str, method: str) -> TrainConfig:
     raise ValueError(f'unknown model {model_key!r}; known: {sorted(CONFIGS)}')
   if method not in ('logra', 'dense'):
     raise ValueError(f"method must be 'logra' or 'dense', got {method!r}")
-  name, dense_arg = CONFIGS[model_key]
+  name, dense_arg, logra_arg = CONFIGS[model_key]
   spec = importlib.util.spec_from_file_location(f'_plan_{model_key}',
                                                 os.path.join(ROOT, 'configs', name))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  cfg = module.get_config(dense_arg) if method == 'dense' and dense_arg else module.get_config()
+  arg = dense_arg if method == 'dense' else logra_arg
+  cfg = module.get_config(arg) if arg else module.get_config()
   if method == 'dense':  # the dense recipe: fp32 master weights (the :adam variants set it)
     if cfg.optim.name != 'adam':
       switch_method(cfg, 'adam')
