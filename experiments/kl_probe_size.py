@@ -11,10 +11,12 @@ the per-position KL(π_old ‖ π_new) the step really caused (`sketch.position_
 subset's predicted KL follows from those exactly (`logra_jax.analysis.probe_size`): the
 table scores n rows (distinct prompts first, random draws) × a fraction f of their positions
 by the RMS error of the step size they would choose, against the one that meets the budget
-on the whole batch. It also checks that the strided rows the trainer probed reproduce its
+on the whole batch; a second table scores layouts of k prompts x s samples each (``--layouts``:
+rows that share a prompt, whose forward packs it once) next to the positions that forward
+runs, the probe's cost. It also checks that the strided rows the trainer probed reproduce its
 logged `predicted_kl` (a different code path: the sketch-linear JVP along U).
 
-The LAST line is one JSON object: {"table": [...], "expansion_alpha_error": e,
+The LAST line is one JSON object: {"table": [...], "layouts": [...], "expansion_alpha_error": e,
 "recommended_rows": n, "trainer_probe": {...}, "workload": {...}}.
 """
 import argparse
@@ -46,6 +48,8 @@ def parse_args(argv=None):
   p.add_argument('--batches', type=int, default=8, help='trainer steps (batches) to score')
   p.add_argument('--rows', default='1,2,4,8,16,32', help='probe sizes (rows; capped at N)')
   p.add_argument('--fractions', default='1,0.5,0.25,0.1', help='fractions of positions kept')
+  p.add_argument('--layouts', default='8x1,4x2,2x4,8x2,4x4',
+                 help='probe layouts PROMPTSxSAMPLES (rows sharing prompts), capped to the batch')
   p.add_argument('--draws', type=int, default=200, help='random subsets per size and batch')
   p.add_argument('--tolerance', type=float, default=0.1,
                  help='recommend the fewest rows within this of the expansion error')
@@ -103,7 +107,7 @@ def collect(cfg, n_batches: int, workdir: str, log=print):
       new = trainer.method.policy_params(trainer.state)
       var, kl = jax.device_get(stats_fns[p](old, new, trainer.method.put_batch(batch)))
       del old
-      batches.append(dict(var=np.asarray(var), kl=np.asarray(kl),
+      batches.append(dict(var=np.asarray(var), kl=np.asarray(kl), prompt_len=int(p),
                           mask=np.asarray(batch['target_mask']), alpha=metrics['alpha'],
                           budget=metrics['kl_budget'], alpha_max=cfg.optim.logra.alpha_max))
       logged.append(metrics)
@@ -148,11 +152,20 @@ def main(argv=None):
   for r in table:
     print(f'{r["rows"]:>5} {r["fraction"]:>5.2f} {r["alpha_rms"]:>10.4f} '
           f'{r["alpha_median"]:>8.4f} {r["alpha_rms_vs_all"]:>8.4f} {r["kl_corr"]:>8.3f}')
+  group = cfg.data.samples_per_prompt
+  layouts = sorted({(min(int(k), cfg.data.prompts_per_step), min(int(g), group))
+                    for k, g in (t.split('x') for t in args.layouts.split(','))})
+  by_layout = probe_size.layout_study(batches, layouts, args.draws, group,
+                                      cfg.rollout.temperature)
+  print(f'{"prompts":>7} {"x":>3} {"rows":>5} {"positions":>9} {"alpha_rms":>10} {"vs_all":>8}')
+  for r in by_layout:
+    print(f'{r["prompts"]:>7} {r["per_prompt"]:>3} {r["rows"]:>5} {r["positions"]:>9.0f} '
+          f'{r["alpha_rms"]:>10.4f} {r["alpha_rms_vs_all"]:>8.4f}')
   probe = trainer_probe(cfg, batches, logged)
   print(f'expansion error (all rows) {floor:.4f}; the trainer\'s probe ({probe["rows"]} strided '
         f'rows) alpha_rms {probe["alpha_rms"]:.4f}; {time.perf_counter() - start:.0f} s')
   print(json.dumps(dict(
-      table=table, expansion_alpha_error=floor,
+      table=table, layouts=by_layout, expansion_alpha_error=floor,
       recommended_rows=probe_size.recommend(table, floor, args.tolerance),
       trainer_probe=probe,
       workload=dict(model=args.model, batches=len(batches), rows=n_rows,

@@ -28,6 +28,38 @@ def test_spread_rows_takes_distinct_prompts_first():
     probe_size.spread_rows(4, 12, 13, rng)
 
 
+def test_grouped_rows_take_k_prompts_and_s_samples_of_each():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    rows = probe_size.grouped_rows(4, 12, 2, 3, rng)  # 3 prompts x 4 samples; 2 x 3 of them
+    groups = [r // 4 for r in rows]
+    assert len(set(rows)) == 6 and len(set(groups)) == 2
+    assert all(groups.count(g) == 3 for g in set(groups))
+  assert sorted(probe_size.grouped_rows(4, 12, 3, 4, rng)) == list(range(12))
+  with pytest.raises(ValueError, match='probe layout'):
+    probe_size.grouped_rows(4, 12, 4, 1, rng)
+  with pytest.raises(ValueError, match='probe layout'):
+    probe_size.grouped_rows(4, 12, 1, 5, rng)
+
+
+def test_packed_positions_count_the_prompt_once():
+  # 2 prompts of 10 tokens, 3 completions of 5 each packed: 2 * (10 + 3 * 4); unpacked 2 * 15.
+  assert probe_size.packed_positions(2, 3, 10, 5) == 44
+  assert probe_size.packed_positions(2, 1, 10, 5) == 30
+
+
+def test_layout_study_exact_on_homogeneous_positions_and_at_the_whole_batch():
+  table = probe_size.layout_study(_batches(False), [(1, 1), (2, 2)], 10, 4)
+  assert all(r['alpha_rms'] < 1e-12 for r in table)
+  table = {(r['prompts'], r['per_prompt']): r
+           for r in probe_size.layout_study(_batches(True, prompt_len=6), [(1, 1), (1, 4), (4, 4)],
+                                            50, 4)}
+  assert table[4, 4]['alpha_rms'] < 1e-12 and table[4, 4]['rows'] == 16  # the whole batch
+  assert table[1, 1]['alpha_rms'] > table[1, 4]['alpha_rms'] > 0
+  t = _batches(True)[0]['mask'].shape[1]
+  assert table[1, 4]['positions'] == probe_size.packed_positions(1, 4, 6, t) == 6 + 4 * (t - 1)
+
+
 def test_subset_mask_keeps_the_fraction_and_never_nothing():
   rng = np.random.default_rng(1)
   mask = np.ones((8, 100), np.float32)
@@ -64,7 +96,7 @@ def test_chosen_alpha_is_the_trainers_step_scale():
   assert probe_size.chosen_alpha(0.0, 0.3, 1e-3, 3.0) == 1.0
 
 
-def _batches(heterogeneous: bool, n=6):
+def _batches(heterogeneous: bool, n=6, prompt_len=None):
   rng = np.random.default_rng(4)
   out = []
   for _ in range(n):
@@ -73,6 +105,8 @@ def _batches(heterogeneous: bool, n=6):
     kl = np.full((16, 10), var.mean() / 2)
     out.append(dict(var=var, kl=kl, mask=np.ones((16, 10)), alpha=0.1, budget=1e-3,
                     alpha_max=100.0))
+    if prompt_len is not None:
+      out[-1]['prompt_len'] = prompt_len
   return out
 
 
@@ -111,5 +145,7 @@ def test_kl_probe_size_tiny_end_to_end():
   table = {(r['rows'], r['fraction']): r for r in result['table']}
   assert set(table) == {(n, f) for n in (1, 4, 64) for f in (1.0, 0.5)}
   assert table[64, 1.0]['alpha_rms_vs_all'] < 1e-12  # all 64 rows: the whole batch
+  assert {(r['prompts'], r['per_prompt']) for r in result['layouts']} == {
+      (8, 1), (4, 2), (2, 4), (8, 2), (4, 4)}
   assert result['workload'] == dict(model='tiny', batches=3, rows=64, group_size=8,
                                     new_tokens=4, draws=20, tolerance=0.1)

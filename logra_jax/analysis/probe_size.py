@@ -6,7 +6,9 @@ not depend on the other rows. So one JVP over ALL rows of a batch gives every su
 estimate exactly: a subset's q is the mean of its positions' variances. These functions take
 those per-position arrays (numpy, (N, T)) for a batch and score subsets of n rows (spread
 over the prompts, as the trainer's `kl_sequences` rows are) and a fraction f of their
-positions against the KL the applied step really caused on the whole batch.
+positions against the KL the applied step really caused on the whole batch; `layout_study`
+scores probes of k prompts × s samples each (rows that share a prompt: their forward packs
+the prompt once) next to the positions their forward runs.
 
 For a step along D = α·AᵀU (the applied update) a subset predicts KL_S = q_S(D), so the step
 size it would have chosen is α_S = min(α_max, α·sqrt(δ/KL_S)) (the trainer's rule,
@@ -30,6 +32,21 @@ def spread_rows(group_size: int, n_rows: int, n: int, rng: np.random.Generator) 
   order = rng.permutation(len(groups))
   picked = [groups[g][k] for k in range(group_size) for g in order if k < len(groups[g])]
   return np.asarray(picked[:n])
+
+
+def grouped_rows(group_size: int, n_rows: int, prompts: int, per_prompt: int,
+                 rng: np.random.Generator) -> np.ndarray:
+  """Row indices of ``prompts`` random prompts' groups, ``per_prompt`` random samples of each
+  (a probe whose rows share prompts, so its forward packs each prompt once)."""
+  groups = -(-n_rows // group_size)
+  if not 1 <= prompts <= groups or not 1 <= per_prompt <= group_size:
+    raise ValueError(f'probe layout {prompts} prompts x {per_prompt} samples must lie within '
+                     f'{groups} prompts x {group_size} samples')
+  picked = []
+  for g in rng.choice(groups, size=prompts, replace=False):
+    rows = np.arange(g * group_size, min((g + 1) * group_size, n_rows))
+    picked.extend(rng.choice(rows, size=min(per_prompt, len(rows)), replace=False))
+  return np.asarray(picked)
 
 
 def subset_mask(mask: np.ndarray, rows: np.ndarray, fraction: float,
@@ -82,6 +99,25 @@ def _pearson(x, y) -> float:
   return float(np.corrcoef(x, y)[0, 1])
 
 
+def _score(batches: Sequence[dict], draw_mask, draws: int, temperature: float) -> dict:
+  """α errors of ``draws`` subsets per batch, ``draw_mask(x)`` -> a subset's mask of batch x:
+  RMS / median against the realised KL on the whole batch, RMS against the all-rows probe,
+  and the mean correlation over batches of log KL_S with log KL_all."""
+  realised = [masked_mean(x['kl'], x['mask']) for x in batches]
+  errs, errs_all, pred = [], [], np.zeros((draws, len(batches)))
+  for b, x in enumerate(batches):
+    q_all = predicted(x['var'], x['mask'], temperature)
+    for d in range(draws):
+      pred[d, b] = predicted(x['var'], draw_mask(x), temperature)
+      errs.append(alpha_error(x, pred[d, b], realised[b]))
+      errs_all.append(alpha_error(x, pred[d, b], q_all))
+  corr = [_pearson(np.log(np.maximum(p, 1e-30)), np.log(realised)) for p in pred]
+  errs, errs_all = np.asarray(errs), np.asarray(errs_all)
+  return dict(alpha_rms=float(np.sqrt(np.mean(errs**2))), alpha_median=float(np.median(errs)),
+              alpha_rms_vs_all=float(np.sqrt(np.mean(errs_all**2))),
+              kl_corr=float(np.mean(corr)))
+
+
 def study(batches: Sequence[dict], rows: Sequence[int], fractions: Sequence[float],
           draws: int, group_size: int, temperature: float = 1.0, seed: int = 0) -> list:
   """One row per (n, f): the RMS and median α error over batches × draws, against the
@@ -93,25 +129,40 @@ def study(batches: Sequence[dict], rows: Sequence[int], fractions: Sequence[floa
   ``alpha`` (applied), ``budget`` and ``alpha_max``.
   """
   rng = np.random.default_rng(seed)
-  realised = [masked_mean(x['kl'], x['mask']) for x in batches]
   out = []
   for n in rows:
     for f in fractions:
-      errs, errs_all, pred = [], [], np.zeros((draws, len(batches)))
-      for b, x in enumerate(batches):
-        q_all = predicted(x['var'], x['mask'], temperature)
-        for d in range(draws):
-          m = subset_mask(x['mask'], spread_rows(group_size, len(x['mask']), n, rng), f, rng)
-          pred[d, b] = predicted(x['var'], m, temperature)
-          errs.append(alpha_error(x, pred[d, b], realised[b]))
-          errs_all.append(alpha_error(x, pred[d, b], q_all))
-      corr = [_pearson(np.log(np.maximum(p, 1e-30)), np.log(realised)) for p in pred]
-      errs, errs_all = np.asarray(errs), np.asarray(errs_all)
+      draw = lambda x, n=n, f=f: subset_mask(
+          x['mask'], spread_rows(group_size, len(x['mask']), n, rng), f, rng)
       out.append(dict(rows=int(n), fraction=float(f),
-                      alpha_rms=float(np.sqrt(np.mean(errs**2))),
-                      alpha_median=float(np.median(errs)),
-                      alpha_rms_vs_all=float(np.sqrt(np.mean(errs_all**2))),
-                      kl_corr=float(np.mean(corr))))
+                      **_score(batches, draw, draws, temperature)))
+  return out
+
+
+def packed_positions(prompts: int, per_prompt: int, prompt_len: int, completion: int) -> int:
+  """Positions a probe's forward runs for ``prompts`` x ``per_prompt`` rows packed by prompt
+  (`completion.pack_prompt_groups`: the prompt once, then each completion but its last
+  token; one unpacked row, P + T, when per_prompt is 1)."""
+  if per_prompt == 1:
+    return prompts * (prompt_len + completion)
+  return prompts * (prompt_len + per_prompt * (completion - 1))
+
+
+def layout_study(batches: Sequence[dict], layouts: Sequence[tuple], draws: int,
+                 group_size: int, temperature: float = 1.0, seed: int = 0) -> list:
+  """One row per layout (prompts, per_prompt): `study`'s errors for probes of that many random
+  prompts × random samples of each (all positions), and ``positions``, the mean over batches
+  of the positions its packed forward runs (`packed_positions`; each batch's ``prompt_len``),
+  the probe's cost: whether rows that share a prompt are worth what distinct prompts are."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for k, s in layouts:
+    draw = lambda x, k=k, s=s: subset_mask(
+        x['mask'], grouped_rows(group_size, len(x['mask']), k, s, rng), 1.0, rng)
+    cost = np.mean([packed_positions(k, s, x.get('prompt_len', 0), x['mask'].shape[1])
+                    for x in batches])
+    out.append(dict(prompts=int(k), per_prompt=int(s), rows=int(k * s), positions=float(cost),
+                    **_score(batches, draw, draws, temperature)))
   return out
 
 
