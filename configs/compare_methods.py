@@ -18,8 +18,9 @@ train.py command; results.json records it). The tasks:
            held-out problems): the suite's check of the study's bookkeeping, not a result.
 
 The arms: `logra` (the paper's LoGRA: A redrawn every step, no momentum; on tiny pinned to
-the settings tiny.py had before session 14 made `logra_m0.95_T100` its default), dense AdamW at three learning rates
-around the task config's (the sweep: the best of them is the reference every arm is compared
+the settings tiny.py had before session 14 made `logra_m0.95_T100` its default), dense AdamW
+at three learning rates around the task config's (the sweep: the best of them is the
+reference every arm is compared
 with, paired by seed), and `adam_sketched`: AdamW on the kernels LoGRA sketches only
 (optim.adam.trainable='sketched', the middle learning rate), which separates "fewer trained
 parameters" from "sketch noise". Tiny also has the levers' arms: `logra_m0.9_T10` and

@@ -11,8 +11,9 @@ The predicted-KL budget is a CEILING here (alpha_max = 1): RowAdam's scale-free 
 (preserve_norm = False, entries ~1 like Adam's) times the learning rate is the step, and the
 budget shrinks only the steps predicted to move the policy by more than it. With the momentum
 that is almost none (0.1% of steps; a step's realised KL ~0.0015, AdamW's at its best lr
-~0.0025); without it (the paper's LoGRA, A redrawn every step) it was 50-80% of them. Spending the budget on every step (alpha_max = 3, the paper's larger-model setting) ended
-15 points below dense Adam on this task: the steps whose predicted KL is high are the
+~0.0025); without it (the paper's LoGRA, A redrawn every step) it was 50-80% of them.
+Spending the budget on every step (alpha_max = 3, the paper's larger-model setting) ended 15
+points below dense Adam on this task: the steps whose predicted KL is high are the
 informative ones, and a KL target shrinks exactly those and inflates the rest (README).
 
 Command (also `make run`):

@@ -9,9 +9,10 @@ method's jitted step on those same batches under each variant of the config: `fu
 config as it is) and every `--variant` (default: `no_probe`, optim.logra.kl_control=False,
 so full − no_probe is the KL probe's cost; `telemetry`, the realised-KL forward every step;
 and `mb4`, half the micro-batches). A variant may set model.remat_policy, attention,
-attention_block or vocab_chunk (the same weights); other model keys are refused. Variants run interleaved, a rep each in turn, every one
-from its own copy of the starting params, after one compile-and-warm-up step; a step's time
-is from the call until its outputs are ready. Last line JSON: {"generate_s", "step_s":
+attention_block or vocab_chunk (the same weights); other model keys are refused. Variants
+run interleaved, a rep each in turn, every one from its own copy of the starting params,
+after one compile-and-warm-up step; a step's time is from the call until its outputs are
+ready. Last line JSON: {"generate_s", "step_s":
 {variant: median}, "minus_full": {variant: median − full's}, "workload"}.
 """
 import copy
@@ -59,11 +60,11 @@ def main(argv):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
-  from logra_jax.train.config import apply_overrides, from_config_dict  # pylint: disable=g-import-not-at-top
+  from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   from logra_jax.train.methods import get_method  # pylint: disable=g-import-not-at-top
   base = FLAGS.config
   base.warm_start.steps = 0
-  cfg = from_config_dict(base)
+  cfg = config_lib.from_config_dict(base)
   trainer = loop.Trainer(cfg, FLAGS.workdir, log=lambda *a: None)
   params0 = jax.tree.map(jnp.copy, trainer.method.policy_params(trainer.state))
   batches, gen_s = [], []
@@ -79,8 +80,8 @@ def main(argv):
   methods = {}
   for name, overrides in variants:
     c = copy.deepcopy(base)
-    apply_overrides(c, overrides)
-    c = from_config_dict(c)
+    config_lib.apply_overrides(c, overrides)
+    c = config_lib.from_config_dict(c)
     methods[name] = [get_method(c, variant_model(model, cfg, c, name), trainer.layout), None]
   budget = 1e-3
   times = {name: [] for name, _ in variants}

@@ -25,17 +25,17 @@ def test_parse_variant_reads_literals_and_strings():
 def test_variant_model_takes_memory_keys_and_refuses_other_model_keys():
   from logra_jax.models.presets import get_preset  # pylint: disable=g-import-not-at-top
   from logra_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
-  from logra_jax.train.config import default_config, from_config_dict  # pylint: disable=g-import-not-at-top
+  from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   model = Transformer(get_preset('tiny', vocab_size=32))
-  base = default_config()
-  cfg = from_config_dict(base)
+  base = config_lib.default_config()
+  cfg = config_lib.from_config_dict(base)
   assert profile_step.variant_model(model, cfg, cfg, 'same') is model
   base.model.remat_policy = 'full'
-  remat = profile_step.variant_model(model, cfg, from_config_dict(base), 'remat')
+  remat = profile_step.variant_model(model, cfg, config_lib.from_config_dict(base), 'remat')
   assert remat.config.remat_policy == 'full' and model.config.remat_policy == 'none'
   base.model.dtype = 'bfloat16'
   with pytest.raises(ValueError, match='model.dtype cannot vary'):
-    profile_step.variant_model(model, cfg, from_config_dict(base), 'dtype')
+    profile_step.variant_model(model, cfg, config_lib.from_config_dict(base), 'dtype')
 
 
 @pytest.mark.slow
