@@ -225,14 +225,15 @@ def figure(results: dict):
   arm's mean as a vertical line."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   fig, (ax, bars) = ablation_io.new_figure(2, width=6.5, height=4.5)
-  colours = matplotlib.colormaps['tab20'].colors
+  tab20 = matplotlib.colormaps['tab20'].colors  # dark shades for the first ten, then light
+  colour_of = lambda i: tab20[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
   arms = list(results['arms'].items())
   for i, (arm, s) in enumerate(arms):
     steps = [c[0] for c in s['curve']]
     mean = [c[1] for c in s['curve']]
     se = [c[2] or 0.0 for c in s['curve']]
     style = '--' if arm.startswith('adam') else '-'
-    colour = colours[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
+    colour = colour_of(i)
     ax.plot(steps, mean, style, color=colour, label=f"{arm} (n={s['n']})")
     ax.fill_between(steps, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)],
                     color=colour, alpha=0.08)
@@ -243,8 +244,7 @@ def figure(results: dict):
   final = sorted((s['final_mean'], s['final_se'] or 0.0, arm, i)
                  for i, (arm, s) in enumerate(arms) if s.get('final_mean') is not None)
   for y, (m, e, arm, i) in enumerate(final):
-    colour = colours[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20]
-    bars.errorbar([m], [y], xerr=[e], fmt='o', color=colour, capsize=3)
+    bars.errorbar([m], [y], xerr=[e], fmt='o', color=colour_of(i), capsize=3)
   bars.set_yticks(range(len(final)), [f[2] for f in final], fontsize=7)
   ref = results.get('reference')
   if ref in results['arms'] and results['arms'][ref].get('final_mean') is not None:

@@ -72,7 +72,7 @@ def main(argv):
     start = time.perf_counter()
     batch, p, *_ = trainer.collect(t)
     gen_s.append(time.perf_counter() - start)
-    batches.append((batch, p, t))
+    batches.append((batch, p, t, float(trainer.budget(t - 1))))  # the run's budget at step t
   trainer.close()
   model = trainer.model
 
@@ -83,20 +83,18 @@ def main(argv):
     config_lib.apply_overrides(c, overrides)
     c = config_lib.from_config_dict(c)
     methods[name] = [get_method(c, variant_model(model, cfg, c, name), trainer.layout), None]
-  budget = 1e-3
   times = {name: [] for name, _ in variants}
   for name, (method, _) in methods.items():  # compile + warm up
     state = method.init(jax.tree.map(jnp.copy, params0))
-    batch, p, t = batches[0]
-    state, _ = method.step(state, batch, p, t, budget)
+    state, _ = method.step(state, *batches[0])
     jax.block_until_ready(state)
     methods[name][1] = state
   for _ in range(FLAGS.reps):
-    for batch, p, t in batches:
+    for batch in batches:
       for name, entry in methods.items():
         method, state = entry
         start = time.perf_counter()
-        state, metrics = method.step(state, batch, p, t, budget)
+        state, metrics = method.step(state, *batch)
         jax.block_until_ready((state, metrics))
         times[name].append(time.perf_counter() - start)
         entry[1] = state
@@ -113,20 +111,17 @@ def main(argv):
                                  'batches': FLAGS.batches, 'reps': FLAGS.reps}}))
 
 
-# The model.* keys that `tasks.build_model` applies as a ModelConfig replace (no new weights).
-MEMORY_KEYS = ('remat_policy', 'attention', 'attention_block', 'vocab_chunk')
-
-
 def variant_model(model, cfg, variant_cfg, name):
   """The trainer's model with ``variant_cfg``'s memory keys (model.remat_policy, ...); any
   other model.* override is refused (the variants share one set of weights)."""
-  changed = {k: getattr(variant_cfg.model, k) for k in MEMORY_KEYS
+  from logra_jax.train.tasks import MODEL_MEMORY_KEYS as keys  # pylint: disable=g-import-not-at-top
+  changed = {k: getattr(variant_cfg.model, k) for k in keys
              if getattr(variant_cfg.model, k) != getattr(cfg.model, k)}
-  rest = [k for k in vars(cfg.model) if k not in MEMORY_KEYS
+  rest = [k for k in vars(cfg.model) if k not in keys
           and getattr(variant_cfg.model, k) != getattr(cfg.model, k)]
   if rest:
     raise ValueError(f'variant {name}: model.{rest[0]} cannot vary (one set of weights); '
-                     f'only model.{{{", ".join(MEMORY_KEYS)}}} can')
+                     f'only model.{{{", ".join(keys)}}} can')
   return model.clone(config=model.config.replace(**changed)) if changed else model
 
 

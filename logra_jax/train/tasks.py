@@ -182,6 +182,11 @@ def load_checkpoint(cfg: TrainConfig):
   return load(path, dtype=cfg.model.param_dtype, on_host=True)
 
 
+# The model.* keys that set how the model computes, not its weights: `build_model` applies them
+# as a ModelConfig replace on a loaded checkpoint's config too.
+MODEL_MEMORY_KEYS = ('remat_policy', 'attention', 'attention_block', 'vocab_chunk')
+
+
 def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None,
                 checkpoint=None):
   """(Transformer, ModelConfig, params): a checkpoint at model.path or a fresh preset.
@@ -192,8 +197,7 @@ def build_model(cfg: TrainConfig, task: Task, layout: parallel.Layout = None,
   """
   m = cfg.model
   layout = layout or parallel.layout_from_config(cfg.mesh)
-  memory = dict(remat_policy=m.remat_policy, attention=m.attention,
-                attention_block=m.attention_block, vocab_chunk=m.vocab_chunk)
+  memory = {k: getattr(m, k) for k in MODEL_MEMORY_KEYS}
   if m.path:
     loaded = checkpoint if checkpoint is not None else load_checkpoint(cfg)
     mc = loaded.config.replace(dtype=m.dtype, param_dtype=m.param_dtype, **memory)
