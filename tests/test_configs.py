@@ -309,6 +309,17 @@ def test_momentum_needs_constant_ranks_and_a_decay_below_one():
   assert (cfg.optim.logra.momentum, cfg.optim.logra.refresh_every) == (0.9, 10)
 
 
+def test_rest_learning_rate_is_refused_below_zero_and_belongs_to_logra():
+  with pytest.raises(ValueError, match=r'optim\.logra\.rest_learning_rate must be >= 0'):
+    config_lib.from_config_dict(config_dict(optim__logra__rest_learning_rate=-1e-4))
+  cfg = config_lib.from_config_dict(config_dict(optim__logra__rest_learning_rate=2e-4))
+  assert cfg.optim.logra.rest_learning_rate == 2e-4
+  c = config_dict(optim__logra__rest_learning_rate=2e-4)
+  c['optim']['name'] = 'adam'  # a LoGRA key with another method is refused
+  with pytest.raises(ValueError, match='rest_learning_rate'):
+    config_lib.from_config_dict(c)
+
+
 def test_tiny_config_validates():
   cfg = config_lib.from_config_dict(tiny.get_config())
   assert cfg.optim.name == 'logra' and cfg.model.preset == 'tiny'

@@ -86,3 +86,29 @@ def test_only_selects_one_row_and_names_an_unknown_one():
   assert cli.select_rows(rows, None) == rows
   with pytest.raises(cli.app.UsageError, match=r"'7b_logra_3dev'.*7b_logra_1dev"):
     cli.select_rows(rows, ['7b_logra_3dev'])
+
+
+def test_step_figures_count_the_rest_s_adam_state_and_gradient():
+  """optim.logra.rest_learning_rate adds Adam's two fp32 moments of the unsketched leaves (and
+  two int32 counts: Adam's and the lr schedule's) to the optimizer state, and their dense
+  gradient to the gradient."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from logra_jax import sketch  # pylint: disable=g-import-not-at-top
+  from logra_jax.analysis import memory_plan  # pylint: disable=g-import-not-at-top
+  from logra_jax.models.presets import get_preset  # pylint: disable=g-import-not-at-top
+  from logra_jax.models.transformer import Transformer, init_params  # pylint: disable=g-import-not-at-top
+  from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  model = Transformer(get_preset('tiny', vocab_size=16))
+  figures = {}
+  for lr in (0.0, 1e-3):
+    c = tiny.get_config()
+    c.optim.logra.rest_learning_rate = lr
+    figures[lr] = memory_plan.step_figures(config_lib.from_config_dict(c), model, (8, 4), 8)
+  params = jax.eval_shape(lambda: init_params(model.config, jax.random.key(0)))
+  a = sketch.make_projections(params, 0, 0, ranks=4)
+  rest = sum(x.size * 4 for x in jax.tree.leaves(sketch.rest_of(params, a)))  # fp32
+  assert rest > 0
+  assert figures[1e-3]['opt_state_bytes'] - figures[0.0]['opt_state_bytes'] == 2 * rest + 2 * 4
+  assert figures[1e-3]['grad_bytes'] - figures[0.0]['grad_bytes'] == rest
+  assert figures[1e-3]['param_bytes'] == figures[0.0]['param_bytes']

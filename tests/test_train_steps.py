@@ -380,6 +380,62 @@ def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(x64, setup, dense_grads
       close(flat(capped)[path] - w, 0.5 * targets[path])
 
 
+REST_LR = 1e-3
+
+
+@pytest.mark.parametrize('m', [1, 2])
+def test_rest_trains_by_adam_on_its_dense_gradient_under_the_same_alpha(x64, setup, dense_grads,
+                                                                        m):
+  """optim.logra.rest_learning_rate: the unsketched leaves take Adam's first step −lr·g/(|g| + ε)
+  on their dense gradient, the kernels the same U as without them, and one α from a dense JVP
+  along both together scales both (float64; the micro-batches change nothing)."""
+  _, model, params, batch, a = setup
+  rest_opt = optimizers.rest_optimizer(
+      OptimSection(logra=LograSection(rest_learning_rate=REST_LR)), total_steps=10)
+  step = steps.make_logra_step(model, loss_config(), LOGRA_OPT, step_config(m),
+                               projection_spec(model), rest_opt=rest_opt)
+  opt_state = (LOGRA_OPT.init(sketch.zero_probes(params, a)),
+               rest_opt.init(sketch.rest_of(params, a)))
+  new, (_, rest_state), metrics = step(copy(params), copy(opt_state), batch, np.uint32(SEED),
+                                       np.uint32(A_STEP), jnp.float64(BUDGET),
+                                       jax.random.key(0))
+  assert metrics['skipped'] == 0
+  loss, grads = dense_grads
+  a_np, w = flat(a), {p: flat(params)[p] for p in flat(a)}
+  s = dense_sketch(a, flat(grads))
+  d = {p: row_adam_reference(x) for p, x in s.items()}
+  u = relative_step_reference(d, w, a_np, UPDATE_RATIO, LOGRA_SECTION.logra.learning_rate)
+  delta = {p: np.einsum('lrk,lrd->lkd', a_np[p], u[p]) for p in u}
+  rest_paths = [p for p in flat(params) if p not in delta]
+  assert rest_paths and all(p[-1] in ('embedding', 'scale', 'kernel') for p in rest_paths)
+  g = flat(grads)
+  v = {p: -REST_LR * g[p] / (np.abs(g[p]) + 1e-8) for p in rest_paths}  # Adam's first step
+  logits_fn = lambda p: step_losses.completion_logits(model, {'params': p}, batch, P)
+  logits, dlogits = jax.jit(lambda p, t: jax.jvp(logits_fn, (p,), (t,)))(
+      params, dense_tangent(params, {**delta, **v}))
+  q = float(sketch.kl_coefficient(logits, dlogits, 1.0, batch['target_mask']))
+  alpha = min(3.0, math.sqrt(BUDGET / q))
+  assert 0.1 < alpha < 3.0
+  close(metrics['loss'], loss)
+  close(metrics['kl_coefficient'], q)
+  close(metrics['alpha'], alpha)
+  for path, w_ in flat(params).items():
+    close(flat(new)[path] - w_, alpha * (delta[path] if path in delta else v[path]))
+  for path in rest_paths:  # Adam's first moment holds (1 − b1)·g
+    close(flat(rest_state[0].mu)[path],
+          0.1 * g[path])
+
+
+def test_rest_refuses_the_low_rank_payload(setup):
+  _, model, _, _, _ = setup
+  rest_opt = optimizers.rest_optimizer(
+      OptimSection(logra=LograSection(rest_learning_rate=REST_LR)), total_steps=10)
+  with pytest.raises(ValueError, match='cannot carry the densely trained rest'):
+    steps.logra_update_fn(model, loss_config(), LOGRA_OPT, step_config(return_update=True),
+                          rest_opt=rest_opt)
+  assert optimizers.rest_optimizer(OptimSection(), 10) is None  # 0: the rest frozen
+
+
 def test_bf16_compute_fp32_params_step_is_close_to_the_fp32_step(no_x64, setup32):
   """model.dtype='bfloat16' with fp32 params (the paper configs): fp32 params, sketch, state.
 

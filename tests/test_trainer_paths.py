@@ -4,6 +4,7 @@ the rollout engine key. The runs are tests/trainer_runs.py's (format reward, no 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import traverse_util
 import pytest
 
 from logra_jax.train import config as config_lib
@@ -53,6 +54,9 @@ PATHS = {
     'rloo': dict(rl__advantage='rloo', optim__name='adam'),
     'reinforce_pp': dict(rl__advantage='reinforce_pp', optim__name='adam'),
     'ppo_clip': dict(rl__loss='ppo_clip', optim__name='adam'),
+    # LoGRA with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate): the
+    # (sketch, rest) optimizer state pair checkpoints and resumes.
+    'logra_rest': dict(optim__logra__rest_learning_rate=1e-3),
 }
 
 
@@ -68,6 +72,12 @@ def test_advantage_and_loss_paths_run_and_resume_exactly(path, tmp_path):
   ppo = PATHS[path].get('rl__loss') == 'ppo_clip'
   # Each loss writes its own per-token metric: the clip fraction or the capped IS fraction.
   assert all(('ppo_clipped' in r, 'is_capped' in r) == (ppo, not ppo) for r in rows[1:])
+  # Norm scales start at exactly 1: they move under dense Adam and LoGRA with a trained rest,
+  # never under LoGRA alone (it sketches the projections only).
+  scales = [x for k, x in traverse_util.flatten_dict(resumed.state['params']).items()
+            if k[-1] == 'scale']
+  trains_rest = path == 'logra_rest' or PATHS[path].get('optim__name') == 'adam'
+  assert any(np.any(np.asarray(x) != 1.0) for x in scales) == trains_rest
   if path == 'running_baseline':
     # b_1 = mean r_1 (no previous batch), b_{t+1} = (1 − ema) b_t + ema·mean r_t. The loop's
     # baseline is float32 (rewards 1 and -0.01): 1e-6 relative covers its rounding.

@@ -115,10 +115,11 @@ def telemetry_flag(sharding):
   return jax.ShapeDtypeStruct((), jnp.bool_, sharding=sharding)
 
 
-def build_logra_step(model, cfg: TrainConfig, opt, sc, sh):
+def build_logra_step(model, cfg: TrainConfig, lt: 'methods.LograTrees', sc, sh):
   """THE place the plan builds the LoGRA step: A drawn inside it, as in the trainer."""
   spec = optimizers.projection_spec(cfg.optim.logra, 0, hf_io.projection_name_fn(model.config))
-  return steps.make_logra_step(model, methods.loss_config(cfg), opt, sc, spec, sh)
+  return steps.make_logra_step(model, methods.loss_config(cfg), lt.opt, sc, spec, sh,
+                               lt.rest_opt)
 
 
 def _rows(sc: steps.StepConfig, layout, rows: int) -> int:
@@ -134,17 +135,13 @@ def logra_entry(cfg: TrainConfig, model, layout, seq, micro_batches=0, rows=0) -
   `plan_step_config`); the trainer's step is ``rows`` = prompts x samples in
   ``cfg.optim.micro_batches``.
   """
-  opt = optimizers.logra_optimizer(cfg.optim, cfg.total_steps)
   pl = methods.Placement(cfg, model, layout)
   spec = optimizers.projection_spec(cfg.optim.logra, 0, hf_io.projection_name_fn(model.config))
-  a = jax.eval_shape(lambda: steps.draw_projections(pl.abstract, 0, 0, spec))  # drawn in-step
-  probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a)
-  probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
-  opt_abs = jax.eval_shape(opt.init, probes)
-  opt_sh = layout.state(opt_abs, probe_logical)
-  sh = pl.step_shardings(opt_sh, params=pl.params, accum=layout.flat(probes, probe_logical))
+  lt = methods.logra_trees(cfg, pl, spec)  # A is drawn in-step
+  opt_abs, opt_sh = lt.opt_abstract, lt.opt_shardings
+  sh = pl.step_shardings(opt_sh, params=pl.params, accum=lt.accum_shardings)
   sc = plan_step_config(cfg, layout.mesh.size, seq[0], micro_batches)
-  fn = build_logra_step(model, cfg, opt, sc, sh).jitted  # its last argument: the telemetry flag
+  fn = build_logra_step(model, cfg, lt, sc, sh).jitted  # its last argument: the telemetry flag
   rep = layout.replicated
   key = jax.eval_shape(lambda: jax.random.key(0))
   args = (with_shardings(pl.abstract, pl.params), with_shardings(opt_abs, opt_sh),
@@ -226,6 +223,8 @@ def step_figures(cfg: TrainConfig, model, seq, rows: int) -> dict:
     spec = optimizers.projection_spec(cfg.optim.logra, 0, hf_io.projection_name_fn(model.config))
     a = jax.eval_shape(lambda: steps.draw_projections(params, 0, 0, spec))
     grad = jax.eval_shape(sketch.zero_probes, params, a)
+    if cfg.optim.logra.rest_learning_rate:  # and the rest's dense gradient
+      grad = (grad, sketch.rest_of(params, a))
   else:
     grad = params
   return dict(opt_state_bytes=global_bytes(e.args[e.names.index('opt_state')]),

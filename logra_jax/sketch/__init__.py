@@ -17,7 +17,8 @@ from logra_jax.sketch.rank import RankRules, dynamic_rank, heuristic_rank
 from logra_jax.sketch.transform import (RelativeStepState, RowAdamState, logra,
                                         scale_by_relative_step, scale_by_row_adam,
                                         scale_by_sketch_sgd)
-from logra_jax.sketch.tree import (DEFAULT_TARGETS, kernels_of, make_projections, select,
-                                   sketch_value_and_grad, sketch_variables, stacked_name,
-                                   target_paths, zero_probes)
-from logra_jax.sketch.update import apply_sketch_updates, expand_update, update_sq_norm
+from logra_jax.sketch.tree import (DEFAULT_TARGETS, kernels_of, make_projections, rest_of,
+                                   select, sketch_value_and_grad, sketch_variables,
+                                   stacked_name, target_paths, with_rest, zero_probes)
+from logra_jax.sketch.update import (apply_dense_updates, apply_sketch_updates, expand_update,
+                                     update_sq_norm)

@@ -99,16 +99,37 @@ def sketch_variables(params, projections, probes):
   return {'params': params, PROJECTION: projections, PROBE: probes}
 
 
-def sketch_value_and_grad(loss_fn: Callable, has_aux: bool = False):
+def rest_of(params, projections):
+  """The leaves of ``params`` that ``projections`` does not sketch (embeddings, the head, norm
+  scales), as a tree of the same nesting."""
+  sketched = set(traverse_util.flatten_dict(projections))
+  flat = traverse_util.flatten_dict(params)
+  return traverse_util.unflatten_dict({k: v for k, v in flat.items() if k not in sketched})
+
+
+def with_rest(params, rest):
+  """``params`` with the leaves of ``rest`` (a `rest_of`-shaped tree) put in their places."""
+  flat = traverse_util.flatten_dict(params)
+  flat.update(traverse_util.flatten_dict(rest))
+  return traverse_util.unflatten_dict(flat)
+
+
+def sketch_value_and_grad(loss_fn: Callable, has_aux: bool = False, rest: bool = False):
   """Wraps ``loss_fn(variables, *args)`` into ``f(params, projections, *args)``.
 
   ``f`` returns ``(loss, sketches)`` (or ``((loss, aux), sketches)``): the sketch tree of the
   whole model from one ``jax.grad`` with respect to the probes only — the dense kernel
-  gradients are never formed.
+  gradients are never formed. ``rest=True``: ``(loss, (sketches, rest_grads))``, the same
+  backward also giving the dense gradient of the leaves LoGRA does not sketch (`rest_of`).
   """
   def f(params, projections, *args):
     probes = zero_probes(params, projections)
+    if not rest:
+      g = jax.value_and_grad(
+          lambda p: loss_fn(sketch_variables(params, projections, p), *args), has_aux=has_aux)
+      return g(probes)
     g = jax.value_and_grad(
-        lambda p: loss_fn(sketch_variables(params, projections, p), *args), has_aux=has_aux)
-    return g(probes)
+        lambda pr: loss_fn(sketch_variables(with_rest(params, pr[1]), projections, pr[0]),
+                           *args), has_aux=has_aux)
+    return g((probes, rest_of(params, projections)))
   return f

@@ -101,3 +101,19 @@ def apply_sketch_updates(params, updates, projections, scale=1.0, key=None):
     k = None if key is None else path_key(key, path)
     flat[path] = _apply_one(flat[path], a, flat_u[path], scale, k)
   return traverse_util.unflatten_dict(flat)
+
+
+def apply_dense_updates(params, updates, scale=1.0, key=None):
+  """params with ``leaf += scale · update`` at every leaf of ``updates``, a sub-tree of
+  ``params`` (the leaves trained densely beside the sketch: `tree.rest_of`); other leaves
+  unchanged. bf16 leaves are stochastically rounded with ``key`` (one key per path, as the
+  kernels in `apply_sketch_updates`); None: round to nearest."""
+  flat = traverse_util.flatten_dict(params)
+  for path, u in traverse_util.flatten_dict(updates).items():
+    if path not in flat:
+      raise ValueError(f'no parameter at path {"/".join(path)}')
+    w = flat[path]
+    acc = jnp.promote_types(jnp.float32, w.dtype)
+    k = None if key is None else path_key(key, path)
+    flat[path] = _store(w.astype(acc) + scale * u.astype(acc), w.dtype, k)
+  return traverse_util.unflatten_dict(flat)

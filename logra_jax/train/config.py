@@ -113,6 +113,9 @@ class LograSection:
   preserve_norm: bool = True  # RowAdam rescales each matrix to its sketch's Frobenius norm
   #   (the paper); False: entries of size ~1 like Adam's, so learning_rate is Adam-like
   update_ratio: float = 0.0  # the authors' relative global step (0: off)
+  rest_learning_rate: float = 0.0  # > 0: the leaves LoGRA does not sketch (embeddings, head,
+  #   norm scales) train densely by Adam (b1 0.9, b2 = b2) at this lr, in the same step and
+  #   under the same KL budget; 0: frozen (the paper). Generators then get full weights.
   sparse_mask: float = 0.0  # drop this fraction of output units per step (unbiased)
   param_rounding: str = 'stochastic'  # bf16 params: W + ΔW stochastically rounded | 'nearest'
   kl_control: bool = True   # α from the predicted KL (else α = 1)
@@ -286,6 +289,9 @@ def _check(cfg: TrainConfig):
   if not 0 <= lg.momentum < 1:
     raise ValueError(f'config key optim.logra.momentum must be in [0, 1) (0: off), '
                      f'got {lg.momentum}')
+  if lg.rest_learning_rate < 0:
+    raise ValueError(f'config key optim.logra.rest_learning_rate must be >= 0 (0: the rest '
+                     f'frozen), got {lg.rest_learning_rate}')
   if lg.kl_budget_final < 0:
     raise ValueError(f'config key optim.logra.kl_budget_final must be >= 0, '
                      f'got {lg.kl_budget_final}')

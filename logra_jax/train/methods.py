@@ -12,7 +12,7 @@ donated buffers.
 """
 import dataclasses
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +37,13 @@ def loss_config(cfg: TrainConfig) -> rl_losses.LossConfig:
 def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
   o = cfg.optim
   lg = o.logra  # its defaults for the dense methods (no KL control, no mask: unused there)
+  # The low-rank payload carries the sketched kernels only: with a dense-trained rest
+  # (optim.logra.rest_learning_rate) the generators get full weights (`Method.last_update`).
+  low_rank_sync = cfg.rollout.engine == 'http' and not (o.name == 'logra' and
+                                                        lg.rest_learning_rate)
   return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, lg.kl_control,
                           lg.kl_probe, lg.alpha_max, lg.sparse_mask,
-                          return_update=cfg.rollout.engine == 'http',
+                          return_update=low_rank_sync,
                           telemetry_every=o.telemetry_every,
                           param_rounding=lg.param_rounding,
                           prompt_group=prompt_group(cfg))
@@ -121,24 +125,61 @@ def _check_seed(seed: int):
                      f'projections on device from a uint32 seed), got {seed!r}')
 
 
+class LograTrees(NamedTuple):
+  """The LoGRA step's optimizers and the layout of its state and accumulators (A at step 0).
+
+  opt: the sketch optimizer; rest_opt: the rest's (`optimizers.rest_optimizer`) or None;
+  opt_abstract / opt_shardings: the optimizer state, a (sketch, rest) pair with rest_opt;
+  accum_shardings: the accumulators' (the sketches, and the rest's gradient); init: the
+  optimizer state's zero-argument initialiser.
+  """
+  opt: Any
+  rest_opt: Any
+  opt_abstract: Any
+  opt_shardings: Any
+  accum_shardings: Any
+  init: Callable[[], Any]
+
+
+def logra_trees(cfg: TrainConfig, pl: Placement, spec: steps.ProjectionSpec) -> LograTrees:
+  """THE layout of a LoGRA step's state (the trainer's and the memory plan's)."""
+  opt = optimizers.logra_optimizer(cfg.optim, cfg.total_steps)
+  rest_opt = optimizers.rest_optimizer(cfg.optim, cfg.total_steps)
+  a0 = jax.eval_shape(lambda: steps.draw_projections(pl.abstract, 0, 0, spec))
+  probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a0)
+  probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
+  # Sketch accumulators at rank r_0 (a dynamic rank changes R, not the sharded D axis).
+  accum_sh = pl.layout.flat(probes, probe_logical)
+  init = lambda: opt.init(_zeros(probes))
+  if rest_opt is not None:  # the rest: (sketch, rest) pairs of state and accumulators
+    rest = sketch.rest_of(pl.abstract, a0)
+    rest_logical = {k: pl.logical[k] for k in traverse_util.flatten_dict(rest)}
+    rest_acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, jnp.promote_types(jnp.float32, x.dtype)), rest)
+    accum_sh = (accum_sh, pl.layout.flat(rest_acc, rest_logical))
+    init = lambda: (opt.init(_zeros(probes)), rest_opt.init(_zeros(rest)))
+    opt_abs = jax.eval_shape(init)
+    opt_sh = (pl.layout.state(opt_abs[0], probe_logical), pl.layout.state(opt_abs[1],
+                                                                          rest_logical))
+  else:
+    opt_abs = jax.eval_shape(init)
+    opt_sh = pl.layout.state(opt_abs, probe_logical)
+  return LograTrees(opt, rest_opt, opt_abs, opt_sh, accum_sh, init)
+
+
 def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:
   o = cfg.optim.logra
   _check_seed(cfg.seed)
-  opt = optimizers.logra_optimizer(cfg.optim, cfg.total_steps)
   pl = Placement(cfg, model, layout)
   names = hf_io.projection_name_fn(model.config)  # generators rebuild A from HF names
   spec_at = lambda t: optimizers.projection_spec(o, t, names)
-  a0 = jax.eval_shape(lambda: steps.draw_projections(pl.abstract, 0, 0, spec_at(0)))
-  probes = jax.eval_shape(sketch.zero_probes, pl.abstract, a0)
-  probe_logical = parallel.probe_logical(pl.logical, sketch.target_paths(pl.abstract))
-  opt_sh = pl.layout.state(jax.eval_shape(opt.init, probes), probe_logical)
-  # Sketch accumulators at rank r_0 (a dynamic rank changes R, not the sharded D axis).
-  sh = pl.step_shardings(opt_sh, params=pl.params,
-                         accum=pl.layout.flat(probes, probe_logical))
+  lt = logra_trees(cfg, pl, spec_at(0))
+  opt, rest_opt = lt.opt, lt.rest_opt
+  sh = pl.step_shardings(lt.opt_shardings, params=pl.params, accum=lt.accum_shardings)
   # One compile per prompt length and rank set (a dynamic rank changes A's shapes).
   get = functools.cache(lambda p, spec: steps.make_logra_step(
-      model, loss_config(cfg), opt, _step_config(cfg, p), spec, sh))
-  opt_init = jax.jit(lambda: opt.init(_zeros(probes)), out_shardings=opt_sh)
+      model, loss_config(cfg), opt, _step_config(cfg, p), spec, sh, rest_opt))
+  opt_init = jax.jit(lt.init, out_shardings=lt.opt_shardings)
 
   def init(params):
     return {'params': parallel.put(params, pl.params), 'opt_state': opt_init()}

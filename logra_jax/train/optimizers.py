@@ -32,6 +32,15 @@ def logra_optimizer(o: OptimSection, total_steps: int):
                       preserve_norm=lg.preserve_norm)
 
 
+def rest_optimizer(o: OptimSection, total_steps: int):
+  """Adam for the leaves LoGRA does not sketch (`optim.logra.rest_learning_rate`, b1 0.9, b2 as
+  RowAdam's, the shared schedule), or None when they stay frozen (rest_learning_rate = 0)."""
+  lg = o.logra
+  if not lg.rest_learning_rate:
+    return None
+  return optax.adam(learning_rate(o, total_steps, lg.rest_learning_rate), b1=0.9, b2=lg.b2)
+
+
 def adam_optimizer(o: OptimSection, total_steps: int, trainable=None):
   """AdamW of ``optim.adam`` (or ``optim.lora`` for LoRA's adapters), with the shared schedule.
 
