@@ -9,8 +9,8 @@ method's jitted step on those same batches under each variant of the config: `fu
 config as it is) and every `--variant` (default: `no_probe`, optim.logra.kl_control=False,
 so full − no_probe is the KL probe's cost; `telemetry`, the realised-KL forward every step;
 and `mb4`, half the micro-batches). A variant may set model.remat_policy, attention,
-attention_block or vocab_chunk (the same weights); other model keys are refused. Variants
-run interleaved, a rep each in turn, every one from its own copy of the starting params,
+attention_block, vocab_chunk or dtype (the compute dtype; the same weights); other model keys
+are refused. Variants run interleaved, a rep each in turn, every one from its own copy of the starting params,
 after one compile-and-warm-up step; a step's time is from the call until its outputs are
 ready. Last line JSON: {"generate_s", "step_s":
 {variant: median}, "minus_full": {variant: median − full's}, "workload"}.
@@ -112,9 +112,10 @@ def main(argv):
 
 
 def variant_model(model, cfg, variant_cfg, name):
-  """The trainer's model with ``variant_cfg``'s memory keys (model.remat_policy, ...); any
+  """The trainer's model with ``variant_cfg``'s compute keys (model.remat_policy, ...); any
   other model.* override is refused (the variants share one set of weights)."""
-  from logra_jax.train.tasks import MODEL_MEMORY_KEYS as keys  # pylint: disable=g-import-not-at-top
+  from logra_jax.train.tasks import MODEL_MEMORY_KEYS  # pylint: disable=g-import-not-at-top
+  keys = MODEL_MEMORY_KEYS + ('dtype',)  # and the compute dtype: the same param_dtype weights
   changed = {k: getattr(variant_cfg.model, k) for k in keys
              if getattr(variant_cfg.model, k) != getattr(cfg.model, k)}
   rest = [k for k in vars(cfg.model) if k not in keys

@@ -22,7 +22,7 @@ def test_parse_variant_reads_literals_and_strings():
       'x', {'model.remat_policy': 'full', 'optim.micro_batches': 2})
 
 
-def test_variant_model_takes_memory_keys_and_refuses_other_model_keys():
+def test_variant_model_takes_compute_keys_and_refuses_other_model_keys():
   from logra_jax.models.presets import get_preset  # pylint: disable=g-import-not-at-top
   from logra_jax.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
   from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -33,9 +33,12 @@ def test_variant_model_takes_memory_keys_and_refuses_other_model_keys():
   base.model.remat_policy = 'full'
   remat = profile_step.variant_model(model, cfg, config_lib.from_config_dict(base), 'remat')
   assert remat.config.remat_policy == 'full' and model.config.remat_policy == 'none'
-  base.model.dtype = 'bfloat16'
-  with pytest.raises(ValueError, match='model.dtype cannot vary'):
-    profile_step.variant_model(model, cfg, config_lib.from_config_dict(base), 'dtype')
+  base.model.dtype = 'bfloat16'  # the compute dtype: the same (param_dtype) weights
+  bf16 = profile_step.variant_model(model, cfg, config_lib.from_config_dict(base), 'bf16')
+  assert bf16.config.dtype == 'bfloat16' and bf16.config.param_dtype == 'float32'
+  base.model.param_dtype = 'bfloat16'
+  with pytest.raises(ValueError, match='model.param_dtype cannot vary'):
+    profile_step.variant_model(model, cfg, config_lib.from_config_dict(base), 'weights')
 
 
 @pytest.mark.slow
