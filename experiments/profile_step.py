@@ -10,10 +10,10 @@ config as it is) and every `--variant` (default: `no_probe`, optim.logra.kl_cont
 so full − no_probe is the KL probe's cost; `telemetry`, the realised-KL forward every step;
 and `mb4`, half the micro-batches). A variant may set model.remat_policy, attention,
 attention_block, vocab_chunk or dtype (the compute dtype; the same weights); other model keys
-are refused. Variants run interleaved, a rep each in turn, every one from its own copy of the starting params,
-after one compile-and-warm-up step; a step's time is from the call until its outputs are
-ready. Last line JSON: {"generate_s", "step_s":
-{variant: median}, "minus_full": {variant: median − full's}, "workload"}.
+are refused. Variants run interleaved, a rep each in turn, every one from its own copy of
+the starting params, after one compile-and-warm-up step; a step's time is from the call
+until its outputs are ready. Last line JSON: {"generate_s", "step_s": {variant: median},
+"minus_full": {variant: median − full's}, "workload"}.
 """
 import copy
 import json
