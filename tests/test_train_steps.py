@@ -211,6 +211,16 @@ def relative_step_reference(d, kernels, a, ratio, lr):
   return {p: -lr * eta * x for p, x in d.items()}
 
 
+def paper_direction_reference(params, a, grads):
+  """(S, Δ) in numpy float64: the sketch S = A G of the dense kernel gradients, RowAdam's D,
+  the relative step U = −lr·η·D (`LOGRA_SECTION`) and the kernels' direction Δ = Aᵀ U."""
+  a_np, w = flat(a), {p: flat(params)[p] for p in flat(a)}
+  s = dense_sketch(a, flat(grads))
+  d = {p: row_adam_reference(x) for p, x in s.items()}
+  u = relative_step_reference(d, w, a_np, UPDATE_RATIO, LOGRA_SECTION.logra.learning_rate)
+  return s, {p: np.einsum('lrk,lrd->lkd', a_np[p], u[p]) for p in u}
+
+
 # ------------------------------------------------------------------------------- LoGRA step
 
 def norm(tree):
@@ -248,11 +258,8 @@ def test_logra_update_is_alpha_times_relative_row_adam_step_of_the_dense_gradien
   # sqrt(Σ‖W‖² / Σ‖AᵀD‖²), the direction Δ = Aᵀ U, q from a dense JVP along Δ,
   # α = min(α_max, sqrt(δ/q)), and the update α·Δ.
   loss, grads = dense_grads
-  a_np, w = flat(a), {p: flat(params)[p] for p in flat(a)}
-  s = dense_sketch(a, flat(grads))
-  d = {p: row_adam_reference(x) for p, x in s.items()}
-  u = relative_step_reference(d, w, a_np, UPDATE_RATIO, LOGRA_SECTION.logra.learning_rate)
-  delta = {p: np.einsum('lrk,lrd->lkd', a_np[p], u[p]) for p in u}
+  w = {p: flat(params)[p] for p in flat(a)}
+  s, delta = paper_direction_reference(params, a, grads)
   # The relative step's defining property: ‖Δ‖ = update_ratio · lr · ‖W‖ over all kernels.
   np.testing.assert_allclose(norm(delta), UPDATE_RATIO * norm(w), rtol=1e-12)
   logits_fn = lambda p: step_losses.completion_logits(model, {'params': p}, batch, P)
@@ -401,11 +408,7 @@ def test_rest_trains_by_adam_on_its_dense_gradient_under_the_same_alpha(x64, set
                                        jax.random.key(0))
   assert metrics['skipped'] == 0
   loss, grads = dense_grads
-  a_np, w = flat(a), {p: flat(params)[p] for p in flat(a)}
-  s = dense_sketch(a, flat(grads))
-  d = {p: row_adam_reference(x) for p, x in s.items()}
-  u = relative_step_reference(d, w, a_np, UPDATE_RATIO, LOGRA_SECTION.logra.learning_rate)
-  delta = {p: np.einsum('lrk,lrd->lkd', a_np[p], u[p]) for p in u}
+  _, delta = paper_direction_reference(params, a, grads)
   rest_paths = [p for p in flat(params) if p not in delta]
   assert rest_paths and all(p[-1] in ('embedding', 'scale', 'kernel') for p in rest_paths)
   g = flat(grads)
