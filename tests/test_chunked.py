@@ -109,6 +109,25 @@ def test_chunked_kl_coefficient_has_no_cancellation_when_the_tangent_mean_is_lar
   close(q, sketch.kl_coefficient(h_full, zdot, TEMP, mask), rtol=1e-9)
 
 
+@pytest.mark.parametrize('tie', [False, True])
+def test_forward_runs_the_head_on_the_completion_positions_as_the_model_does(tie):
+  """`completion.forward` (vocab_chunk 0) applies the head to the T completion positions only;
+  its logits are the model's own logits at those positions, bit for bit, fp32 and float64."""
+  for dtype in ('float32', 'float64'):
+    mc = get_preset('tiny', vocab_size=V, hidden_size=16, intermediate_size=24, num_layers=1,
+                    num_heads=2, num_kv_heads=1, tie_embeddings=tie, dtype=dtype,
+                    param_dtype=dtype)
+    model = Transformer(mc)
+    params = init_params(mc, jax.random.key(0))
+    p, t = 3, 4
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, (2, p + t)), jnp.int32)
+    mask = jnp.ones((2, p + t), bool).at[0, 0].set(False)
+    batch = dict(tokens=tokens, mask=mask, targets=tokens[:, p:])
+    logits, _ = model.apply({'params': params}, tokens, attn_mask_BxL=mask)
+    out = completion.forward(model, {'params': params}, batch, p)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(logits[:, p - 1:p - 1 + t]))
+
+
 def test_bad_chunk_and_head_are_errors():
   h, w, y, _ = head_data(0)
   with pytest.raises(ValueError, match='vocab chunk'):
