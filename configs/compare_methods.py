@@ -82,11 +82,14 @@ def ablation(arg=None) -> dict:
   arms.update({f'adam_lr{lr:g}': _adam(lr) for lr in lrs})
   arms['adam_sketched'] = _adam(lrs[1], 'sketched')
   if task in ('tiny', 'tiny_confirm'):  # the levers (issue 23, item 4), fixed before their runs
+    # Every lever arm before session 15's ran with the rest frozen (tiny.py's default then).
+    frozen = _sibling('tiny').FROZEN_REST
     for every in (10, 100):  # A held `every` steps, momentum carried across redraws
       arms[f'logra_m0.9_T{every}'] = {'optim.logra.momentum': 0.9,
-                                      'optim.logra.refresh_every': every}
+                                      'optim.logra.refresh_every': every, **frozen}
     # The limit of holding A (never redrawn), fixed after T10/T100 ran, before its own runs.
-    arms['logra_m0.9_fixed'] = {'optim.logra.momentum': 0.9, 'optim.logra.refresh': False}
+    arms['logra_m0.9_fixed'] = {'optim.logra.momentum': 0.9, 'optim.logra.refresh': False,
+                                **frozen}
     # A diagnostic, not a candidate: rank = d_in with orthogonal rows makes AᵀA = I, so the
     # sketch is the exact gradient; what is left of the gap is RowAdam + the budget.
     arms['logra_exact'] = dict(base, **{'optim.logra.projection': 'orthogonal',
@@ -99,8 +102,9 @@ def ablation(arg=None) -> dict:
     for lr in (2e-4, 8e-4):
       arms[f'logra_m0.9_T100_lr{lr:g}'] = {'optim.logra.momentum': 0.9,
                                            'optim.logra.refresh_every': 100,
-                                           'optim.logra.learning_rate': lr}
-    arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
+                                           'optim.logra.learning_rate': lr, **frozen}
+    arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100,
+                                **frozen}
     # Session 14, after the three above, before its own runs: their two levers together.
     arms['logra_m0.95_T100_lr0.0008'] = dict(arms['logra_m0.95_T100'],
                                              **{'optim.logra.learning_rate': 8e-4})
@@ -110,6 +114,7 @@ def ablation(arg=None) -> dict:
     # params) trained by Adam at the best dense AdamW's lr, 2e-4.
     arms['logra_m0.95_T100_rest'] = dict(arms['logra_m0.95_T100'],
                                          **{'optim.logra.rest_learning_rate': 2e-4})
+    # (tiny.py's default since, with these settings)
   if task == 'smollm2':  # tiny's best lever (tiny.py's default since session 14), before any run
     arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
     arms['adam_sketched'] = arms.pop('adam_sketched')  # last: a seed's runs reach the goal's

@@ -69,8 +69,9 @@ def _zeros_except(params, flat_updates):
 def logra_direction(optim, params, grad, seed: int, step: int, rank_scale: int = 1,
                     projection: str = ''):
   """Aᵀ U of the configured LoGRA (``optim``: an OptimSection) for the dense gradient
-  ``grad``: S = A G per sketched kernel, U from the sketch optimizer's fresh state
-  (``rank_scale``, ``projection``: the same with ranks scaled, another kind of A)."""
+  ``grad``: S = A G per sketched kernel, U from the sketch optimizer's fresh state, and with
+  optim.logra.rest_learning_rate the unsketched leaves' Adam step (``rank_scale``,
+  ``projection``: the same with ranks scaled, another kind of A)."""
   lg = optim.logra
   if projection:
     lg = dataclasses.replace(lg, projection=projection)
@@ -84,8 +85,14 @@ def logra_direction(optim, params, grad, seed: int, step: int, rank_scale: int =
                    a, g)
   opt = optimizers.logra_optimizer(dataclasses.replace(optim, logra=lg), 1)
   u, _ = opt.update(s, opt.init(s), kernels, projections=a)
-  d = jax.tree.map(lambda aa, uu, k: sketch.expand_update(aa, uu).astype(k.dtype), a, u, kernels)
-  return _zeros_except(params, traverse_util.flatten_dict(d))
+  d = traverse_util.flatten_dict(jax.tree.map(
+      lambda aa, uu, k: sketch.expand_update(aa, uu).astype(k.dtype), a, u, kernels))
+  rest_opt = optimizers.rest_optimizer(optim, 1)
+  if rest_opt is not None:  # the unsketched leaves' Adam step, as the trainer takes it
+    rest = sketch.rest_of(params, a)
+    v, _ = rest_opt.update(sketch.rest_of(grad, a), rest_opt.init(rest), rest)
+    d.update(traverse_util.flatten_dict(v))
+  return _zeros_except(params, d)
 
 
 def adamw_direction(optim, params, grad):

@@ -326,19 +326,24 @@ def test_tiny_config_validates():
 
 
 def test_tiny_default_is_the_parity_studys_best_lever_and_the_paper_runs_keep_the_paper():
-  """configs/tiny.py runs momentum 0.95 with A held 100 steps (docs/parity.md); ':paper', the
-  paper's ablations at tiny scale and the parity study's `logra` arm keep the paper's LoGRA
-  (A every step, no momentum), the settings their README figures were measured with."""
+  """configs/tiny.py runs momentum 0.95 with A held 100 steps and the unsketched leaves trained
+  at 2e-4 (docs/parity.md); ':paper', the paper's ablations at tiny scale and the parity
+  study's `logra` arm keep the paper's LoGRA (A every step, no momentum, the rest frozen), and
+  every earlier lever arm its frozen rest: the settings their figures were measured with.
+  ':fleet' freezes the rest, so its generators take the low-rank payload."""
   lg = lambda cfg: (cfg.optim.logra.momentum, cfg.optim.logra.refresh_every,
-                    cfg.optim.logra.refresh)
-  assert lg(_config('tiny')) == (0.95, 100, True)
-  paper = (0.0, 1, True)
+                    cfg.optim.logra.refresh, cfg.optim.logra.rest_learning_rate)
+  assert lg(_config('tiny')) == (0.95, 100, True, 2e-4)
+  assert lg(_config('tiny', 'fleet')) == (0.95, 100, True, 0.0)
+  paper = (0.0, 1, True, 0.0)
   assert lg(_config('tiny', 'paper')) == paper
   for name in ('ablate_rank', 'ablate_kl_budget', 'compare_lora'):
     assert lg(_config(name, 'tiny')) == paper, name
   assert lg(_config('compare_methods', 'tiny/logra')) == paper
   assert lg(_config('compare_methods', 'tiny/logra_exact')) == paper
-  assert lg(_config('compare_methods', 'tiny/logra_m0.95_T100')) == (0.95, 100, True)
+  assert lg(_config('compare_methods', 'tiny/logra_m0.95_T100')) == (0.95, 100, True, 0.0)
+  assert lg(_config('compare_methods', 'tiny/logra_m0.9_T10')) == (0.9, 10, True, 0.0)
+  assert lg(_config('compare_methods', 'tiny/logra_m0.95_T100_rest')) == lg(_config('tiny'))
 
 
 # ------------------------------------------------------------- per-method optimizer sections

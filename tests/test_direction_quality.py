@@ -135,3 +135,31 @@ def test_summarize_reports_logra_over_adamw():
   assert s['directions']['logra']['minus_adamw_mean'] == pytest.approx(-1.0)
   assert s['directions']['logra']['minus_adamw_se'] == pytest.approx(0.0)
   assert dataclasses.is_dataclass(OptimSection())
+
+
+def test_the_logra_candidate_with_a_trained_rest_is_the_trainers_update(two_batches):
+  """optim.logra.rest_learning_rate: the candidate also carries the unsketched leaves' Adam
+  step, as the trainer's step (α = 1) moves them."""
+  model, params, batch, ga, _ = two_batches
+  optim = OptimSection(logra=LograSection(rank=4, learning_rate=1.0, update_ratio=1e-2,
+                                          rest_learning_rate=1e-3))
+  seed, t = 0, 3
+  with jax.enable_x64(True):
+    d = dq.logra_direction(optim, params, ga, seed, t)
+    a = jax.tree.map(lambda x: x.astype(jnp.float64),
+                     optimizers.projections_at(optim.logra, params, seed, t))
+    opt, rest_opt = optimizers.logra_optimizer(optim, 1), optimizers.rest_optimizer(optim, 1)
+    sc = steps.StepConfig(prompt_len=P, micro_batches=1, kl_sequences=ROWS, kl_control=False,
+                          kl_probe='jvp', alpha_max=1.0, sparse_mask=0.0)
+    update = steps.logra_update_fn(model, loss_config(), opt, sc, rest_opt=rest_opt)
+    state = (opt.init(sketch.zero_probes(params, a)), rest_opt.init(sketch.rest_of(params, a)))
+    new, _, _ = update(jax.tree.map(jnp.array, params), state, batch, a, jnp.float64(1e-4),
+                       jax.random.key(0))
+    moved = traverse_util.flatten_dict(jax.tree.map(lambda n, p: n - p, new, params))
+  flat_d = traverse_util.flatten_dict(d)
+  rest = set(traverse_util.flatten_dict(sketch.rest_of(params, a)))
+  assert rest and all(np.any(np.asarray(flat_d[p])) for p in rest)
+  for path, m in moved.items():
+    scale = max(float(np.max(np.abs(m))), 1e-300)
+    np.testing.assert_allclose(np.asarray(flat_d[path]), np.asarray(m), atol=1e-9 * scale,
+                               rtol=0, err_msg=str(path))

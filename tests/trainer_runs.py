@@ -70,6 +70,9 @@ def make_config(**overrides) -> config_lib.TrainConfig:
   # A budget this small keeps α = sqrt(δ/q) below α_max = 1 (q ~ 2e-2 here), so the KL
   # control is what sets the LoGRA step size.
   c.optim.logra.kl_budget_init = c.optim.logra.kl_budget_final = 1e-4
+  # The unsketched leaves frozen: the fleet's and the faults' runs sync the low-rank payload,
+  # which carries the kernels only (the rest's own path: test_trainer_paths' logra_rest).
+  c.optim.logra.rest_learning_rate = 0.0
   c.total_steps = 4
   c.eval_every = 2
   c.checkpoint_every = 2
