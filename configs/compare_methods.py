@@ -117,6 +117,11 @@ def ablation(arg=None) -> dict:
     # (tiny.py's default since, with these settings)
   if task == 'smollm2':  # tiny's best lever (tiny.py's default since session 14), before any run
     arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
+    # Session 15, before its runs: with the unsketched leaves (the tied embedding, norm scales)
+    # trained by Adam at the config's dense lr, 1e-5 (tiny.py's default since): optimizer
+    # state + gradient ~0.24x AdamW's, under the 0.25x.
+    arms['logra_m0.95_T100_rest'] = dict(arms['logra_m0.95_T100'],
+                                         **{'optim.logra.rest_learning_rate': 1e-5})
     arms['adam_sketched'] = arms.pop('adam_sketched')  # last: a seed's runs reach the goal's
                                                        # arms first (~40 min a run on the CPU)
   if task == 'smoke':
