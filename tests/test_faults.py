@@ -42,7 +42,7 @@ TINY_FLAGS = {
     'warm_start.steps': 0, 'data.prompts_per_step': 4, 'data.samples_per_prompt': 4,
     'data.eval_size': 8, 'eval.k': 2, 'reward.verifier': FORMAT_REWARD,
     'rl.entropy_coef': 0.0, 'optim.kl_sequences': 4, 'optim.logra.kl_budget_init': 1e-4,
-    'optim.logra.kl_budget_final': 1e-4,
+    'optim.logra.kl_budget_final': 1e-4, 'optim.logra.rest_learning_rate': 0.0,
     # Steps after the first take well under a second here: enough of them that the signal,
     # sent once step 1 is written, lands mid-run.
     'total_steps': 12, 'eval_every': 4, 'checkpoint_every': 12,
