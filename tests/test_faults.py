@@ -5,6 +5,7 @@ The runs are tests/trainer_runs.py's tiny runs (format reward: the policy gradie
 weights). The signal test runs experiments/train.py in a subprocess (the entry point and its
 exit code are what is tested) with the format verifier registered first.
 """
+import dataclasses
 import os
 import signal
 import subprocess
@@ -47,6 +48,21 @@ TINY_FLAGS = {
     # sent once step 1 is written, lands mid-run.
     'total_steps': 12, 'eval_every': 4, 'checkpoint_every': 12,
 }
+
+
+def test_the_command_line_flags_are_the_loop_tests_config():
+  """TINY_FLAGS on configs/tiny.py is `make_config` (the in-process reference of the resume
+  checks) but for where the warm start is cached and where launched servers run."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  c = tiny.get_config()
+  config_lib.apply_overrides(c, TINY_FLAGS)
+  flags = config_lib.from_config_dict(c)
+  ref = make_config(total_steps=12, eval_every=4, checkpoint_every=12)
+  same = lambda cfg: dataclasses.replace(
+      cfg, warm_start=dataclasses.replace(cfg.warm_start, cache_dir=''),
+      rollout=dataclasses.replace(cfg.rollout, launch_platform=''))
+  assert same(flags) == same(ref)
 
 
 def _command(workdir):
