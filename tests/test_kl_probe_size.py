@@ -49,7 +49,7 @@ def test_packed_positions_count_the_prompt_once():
 
 
 def test_layout_study_exact_on_homogeneous_positions_and_at_the_whole_batch():
-  table = probe_size.layout_study(_batches(False), [(1, 1), (2, 2)], 10, 4)
+  table = probe_size.layout_study(_batches(False, prompt_len=6), [(1, 1), (2, 2)], 10, 4)
   assert all(r['alpha_rms'] < 1e-12 for r in table)
   table = {(r['prompts'], r['per_prompt']): r
            for r in probe_size.layout_study(_batches(True, prompt_len=6), [(1, 1), (1, 4), (4, 4)],

@@ -159,7 +159,7 @@ def layout_study(batches: Sequence[dict], layouts: Sequence[tuple], draws: int,
   for k, s in layouts:
     draw = lambda x, k=k, s=s: subset_mask(
         x['mask'], grouped_rows(group_size, len(x['mask']), k, s, rng), 1.0, rng)
-    cost = np.mean([packed_positions(k, s, x.get('prompt_len', 0), x['mask'].shape[1])
+    cost = np.mean([packed_positions(k, s, x['prompt_len'], x['mask'].shape[1])
                     for x in batches])
     out.append(dict(prompts=int(k), per_prompt=int(s), rows=int(k * s), positions=float(cost),
                     **_score(batches, draw, draws, temperature)))

@@ -151,20 +151,21 @@ def logra_trees(cfg: TrainConfig, pl: Placement, spec: steps.ProjectionSpec) -> 
   # Sketch accumulators at rank r_0 (a dynamic rank changes R, not the sharded D axis).
   accum_sh = pl.layout.flat(probes, probe_logical)
   init = lambda: opt.init(_zeros(probes))
-  if rest_opt is not None:  # the rest: (sketch, rest) pairs of state and accumulators
-    rest = sketch.rest_of(pl.abstract, a0)
-    rest_logical = {k: pl.logical[k] for k in traverse_util.flatten_dict(rest)}
-    rest_acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        x.shape, jnp.promote_types(jnp.float32, x.dtype)), rest)
-    accum_sh = (accum_sh, pl.layout.flat(rest_acc, rest_logical))
-    init = lambda: (opt.init(_zeros(probes)), rest_opt.init(_zeros(rest)))
+  if rest_opt is None:
     opt_abs = jax.eval_shape(init)
-    opt_sh = (pl.layout.state(opt_abs[0], probe_logical), pl.layout.state(opt_abs[1],
-                                                                          rest_logical))
-  else:
-    opt_abs = jax.eval_shape(init)
-    opt_sh = pl.layout.state(opt_abs, probe_logical)
-  return LograTrees(opt, rest_opt, opt_abs, opt_sh, accum_sh, init)
+    return LograTrees(opt, None, opt_abs, pl.layout.state(opt_abs, probe_logical), accum_sh,
+                      init)
+  # The rest: (sketch, rest) pairs of state and accumulators.
+  rest = sketch.rest_of(pl.abstract, a0)
+  rest_logical = {k: pl.logical[k] for k in traverse_util.flatten_dict(rest)}
+  rest_acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, jnp.promote_types(jnp.float32, x.dtype)), rest)
+  init = lambda: (opt.init(_zeros(probes)), rest_opt.init(_zeros(rest)))
+  opt_abs = jax.eval_shape(init)
+  opt_sh = (pl.layout.state(opt_abs[0], probe_logical),
+            pl.layout.state(opt_abs[1], rest_logical))
+  return LograTrees(opt, rest_opt, opt_abs, opt_sh,
+                    (accum_sh, pl.layout.flat(rest_acc, rest_logical)), init)
 
 
 def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = None) -> Method:

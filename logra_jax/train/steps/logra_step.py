@@ -93,11 +93,11 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     ok = all_finite(grads) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
 
     def apply():
-      new = sketch.apply_sketch_updates(params, u, projections, alpha, key=rounding_key(sc, key))
-      if rest:
-        rest_key = rounding_key(sc, key)
-        rest_key = None if rest_key is None else jax.random.fold_in(rest_key, 1)
-        new = sketch.apply_dense_updates(new, v, alpha, key=rest_key)
+      rk = rounding_key(sc, key)
+      new = sketch.apply_sketch_updates(params, u, projections, alpha, key=rk)
+      if rest:  # the rest's rounding: a key of its own
+        new = sketch.apply_dense_updates(new, v, alpha,
+                                         key=None if rk is None else jax.random.fold_in(rk, 1))
       return new
     new_params = jax.lax.cond(ok, apply, lambda: params)
     new_opt_state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_opt_state, opt_state)
