@@ -34,7 +34,10 @@ across its redraws (optim.logra.refresh_every, optim.logra.momentum; sketch/mome
 diagnostic `logra_exact` (rank = d_in, orthogonal rows: the exact gradient through
 RowAdam and the budget, no sketch noise), and (session 14) `logra_m0.9_T100` at learning rates
 2e-4 and 8e-4 and `logra_m0.95_T100`; (session 15) `logra_m0.95_T100_rest`, the default
-with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate).
+with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate); (session 16)
+`logra_m0.95_T100_rest_adam` and `_adafactor`, the default with Adam's per-entry scaling in
+sketch space or its row x column factorisation (optim.logra.sketch_optimizer), on seeds 0-2
+and, in tiny_confirm, 3-5.
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -115,6 +118,13 @@ def ablation(arg=None) -> dict:
     arms['logra_m0.95_T100_rest'] = dict(arms['logra_m0.95_T100'],
                                          **{'optim.logra.rest_learning_rate': 2e-4})
     # (tiny.py's default since, with these settings)
+    # Session 16, before its runs, on seeds 0-2 here and 3-5 in tiny_confirm: Adam's
+    # per-coordinate scaling in sketch space (one second moment per entry of S, GaLore's rule
+    # in A's held subspace; RowAdam keeps one per output unit), the default otherwise.
+    # And its Adafactor factorisation (a scale per rank direction x one per output unit).
+    for name in ('adam', 'adafactor'):
+      arms[f'logra_m0.95_T100_rest_{name}'] = dict(arms['logra_m0.95_T100_rest'],
+                                                   **{'optim.logra.sketch_optimizer': name})
   if task == 'smollm2':  # tiny's best lever (tiny.py's default since session 14), before any run
     arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
     # Session 15, before its runs: with the unsketched leaves (the tied embedding, norm scales)
@@ -132,7 +142,9 @@ def ablation(arg=None) -> dict:
     # study's 8 LoGRA lever arms on seeds 0-2 (an optimistic pick, as is the reference: the
     # best of 3 AdamW lrs there). Confirmed, or not, on 3 fresh seeds against that AdamW lr.
     arms = {'logra_m0.95_T100_rest': arms['logra_m0.95_T100_rest'],
-            f'adam_lr{lrs[1]:g}': arms[f'adam_lr{lrs[1]:g}']}
+            f'adam_lr{lrs[1]:g}': arms[f'adam_lr{lrs[1]:g}'],
+            **{a: arms[a] for a in ('logra_m0.95_T100_rest_adam',      # session 16
+                                    'logra_m0.95_T100_rest_adafactor')}}
     seeds = (3, 4, 5)
   return {'arms': arms, 'seeds': seeds,
           'reference_arms': [a for a in arms if a.startswith('adam_lr')],

@@ -16,6 +16,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from configs import tiny
+from logra_jax import sketch
 from logra_jax.train import config as config_lib
 from logra_jax.train import tasks
 from logra_jax.train.config import from_config_dict
@@ -307,6 +308,20 @@ def test_momentum_needs_constant_ranks_and_a_decay_below_one():
   cfg = config_lib.from_config_dict(config_dict(optim__logra__momentum=0.9,
                                                 optim__logra__refresh_every=10))
   assert (cfg.optim.logra.momentum, cfg.optim.logra.refresh_every) == (0.9, 10)
+
+
+def test_sketch_adam_needs_constant_ranks_and_an_unknown_optimizer_is_named():
+  for name in ('adam', 'adafactor'):
+    with pytest.raises(ValueError, match=rf"sketch_optimizer='{name}' needs constant ranks"):
+      config_lib.from_config_dict(config_dict(optim__logra__sketch_optimizer=name,
+                                              optim__logra__rank_delta=4,
+                                              optim__logra__momentum=0.0))
+    cfg = config_lib.from_config_dict(config_dict(optim__logra__sketch_optimizer=name))
+    assert cfg.optim.logra.sketch_optimizer == name
+  with pytest.raises(ValueError, match=r"sketch_optimizer='lion' must be one of"):
+    config_lib.from_config_dict(config_dict(optim__logra__sketch_optimizer='lion'))
+  # The config's choices are the sketch module's (one list, two places that must agree).
+  assert config_lib.CHOICES['optim.logra.sketch_optimizer'] == sketch.SKETCH_OPTIMIZERS
 
 
 def test_rest_learning_rate_is_refused_below_zero_and_belongs_to_logra():

@@ -171,12 +171,16 @@ STEP_SCRIPT = '''
       assert all(b == full // devices + scalars for b in got.values()), (what, got, full)
 
     out = {}
-    for name in ('logra', 'logra_rest', 'adam'):  # logra_rest: the unsketched leaves by Adam
+    # logra_rest: the unsketched leaves by Adam, and Adafactor's row x column scaling in
+    # sketch space (factored moments: (L, R) rows, (L, D) columns).
+    for name in ('logra', 'logra_rest', 'adam'):
       cfg = default_config()
       cfg.optim.name, cfg.optim.micro_batches = name.partition('_')[0], 2
       if name.startswith('logra'):
         cfg.optim.logra.rank = 8
         cfg.optim.logra.rest_learning_rate = 1e-3 if name == 'logra_rest' else 0.0
+        if name == 'logra_rest':
+          cfg.optim.logra.sketch_optimizer = 'adafactor'
       else:
         cfg.optim.adam.learning_rate = 1e-3
       # Pairs of samples: one and four devices pack the same rows (runs of 2 sharing a prompt,
@@ -195,10 +199,12 @@ STEP_SCRIPT = '''
       check_split(state['opt_state'], name + ' optimizer state')
       q = state['params']['layers']['attn']['q_proj']['kernel']
       assert q.sharding.spec == P(None, 'fsdp', None), q.sharding
-      if name.startswith('logra'):                   # RowAdam: one moment per output unit
-        sketch_state = state['opt_state'][0] if name == 'logra_rest' else state['opt_state']
-        nu = sketch_state[0].nu['layers']['mlp']['down_proj']['kernel']
+      if name == 'logra':                            # RowAdam: one moment per output unit
+        nu = state['opt_state'][0].nu['layers']['mlp']['down_proj']['kernel']
         assert nu.sharding.spec == P(None, 'fsdp'), nu.sharding
+      if name == 'logra_rest':                       # Adafactor's columns: the same layout
+        _, col = state['opt_state'][0][0].nu['layers']['mlp']['down_proj']['kernel']
+        assert col.sharding.spec == P(None, 'fsdp'), col.sharding
       flat = traverse_util.flatten_dict(jax.device_get(state['params']))
       for path, w in flat.items():                   # the update itself, not the weights
         out[f'{name}/update/' + '/'.join(path)] = w - traverse_util.flatten_dict(host)[path]
@@ -216,8 +222,8 @@ def _step_results(devices, path):
 
 
 def test_logra_and_adam_steps_sharded_equal_unsharded(tmp_path):
-  """Two steps of each (LoGRA, LoGRA with its rest trained, AdamW) on 1 and on 4 devices (run
-  side by side); each device holds 1/4.
+  """Two steps of each (LoGRA, LoGRA with its rest trained and sketch Adafactor, AdamW) on 1
+  and on 4 devices (run side by side); each device holds 1/4.
 
   In float64: at step 2 Adam's update m̂/(√v̂ + ε) divides by the gradients' own size, so an
   entry whose gradient is a cancelling sum carries fp32 rounding far above the module's 1e-6

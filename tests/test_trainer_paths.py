@@ -54,9 +54,11 @@ PATHS = {
     'rloo': dict(rl__advantage='rloo', optim__name='adam'),
     'reinforce_pp': dict(rl__advantage='reinforce_pp', optim__name='adam'),
     'ppo_clip': dict(rl__loss='ppo_clip', optim__name='adam'),
-    # LoGRA with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate): the
-    # (sketch, rest) optimizer state pair checkpoints and resumes.
-    'logra_rest': dict(optim__logra__rest_learning_rate=1e-3),
+    # LoGRA with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate) and
+    # per-entry sketch Adam with A redrawn at step 2: the (sketch, rest) optimizer state pair
+    # checkpoints and resumes, its second moments through a change of A.
+    'logra_rest': dict(optim__logra__rest_learning_rate=1e-3,
+                       optim__logra__sketch_optimizer='adam', optim__logra__refresh_every=2),
 }
 
 

@@ -14,8 +14,9 @@ from logra_jax.sketch.momentum import (SketchMomentumState, basis_transfer,
 from logra_jax.sketch.projection import (name_hash, projection_checksum, projection_key,
                                          sample_projection)
 from logra_jax.sketch.rank import RankRules, dynamic_rank, heuristic_rank
-from logra_jax.sketch.transform import (RelativeStepState, RowAdamState, logra,
-                                        scale_by_relative_step, scale_by_row_adam,
+from logra_jax.sketch.transform import (SKETCH_OPTIMIZERS, RelativeStepState, RowAdamState,
+                                        SketchAdamState, logra, scale_by_relative_step,
+                                        scale_by_row_adam, scale_by_sketch_adam,
                                         scale_by_sketch_sgd)
 from logra_jax.sketch.tree import (DEFAULT_TARGETS, kernels_of, make_projections, rest_of,
                                    select, sketch_value_and_grad, sketch_variables,

@@ -98,7 +98,8 @@ class RLSection:
 class LograSection:
   """optim.logra.*: the sketch, its optimizer and the predicted-KL step size (docs/method.md)."""
   learning_rate: float = 1e-2  # of the sketch optimizer
-  sketch_optimizer: str = 'row_adam'  # | 'sgd'
+  sketch_optimizer: str = 'row_adam'  # | 'adam' (per entry of S) | 'adafactor' (S's rows x
+  #   columns) | 'sgd' (docs/method.md section 12)
   rank: int = 16
   rank_rules: str = ''      # per-module ranks: 'regex=rank,regex=rank' (first match wins)
   rank_delta: int = 0       # dynamic rank r_t = rank + ceil(rank_delta·tanh(t/rank_tau))
@@ -249,7 +250,8 @@ CHOICES = {
     'rl.aggregation': ('token', 'sequence'),
     'optim.name': ('logra', 'adam', 'lora'),
     'optim.lr_schedule': ('constant', 'cosine'),
-    'optim.logra.sketch_optimizer': ('row_adam', 'sgd'),
+    # = sketch.SKETCH_OPTIMIZERS
+    'optim.logra.sketch_optimizer': ('row_adam', 'adam', 'adafactor', 'sgd'),
     'optim.logra.projection': ('rademacher', 'gaussian', 'orthogonal'),
     'optim.logra.kl_probe': ('jvp', 'fd'),
     'optim.logra.param_rounding': ('stochastic', 'nearest'),  # = train.steps.PARAM_ROUNDINGS
@@ -286,6 +288,10 @@ def _check(cfg: TrainConfig):
   if lg.momentum and lg.rank_delta:
     raise ValueError('config key optim.logra.momentum needs constant ranks (the moments keep '
                      'their shape across redraws of A): set optim.logra.rank_delta=0')
+  if lg.sketch_optimizer in ('adam', 'adafactor') and lg.rank_delta:
+    raise ValueError(f'config key optim.logra.sketch_optimizer={lg.sketch_optimizer!r} needs '
+                     'constant ranks (its second moments have a rank axis): set '
+                     'optim.logra.rank_delta=0')
   if not 0 <= lg.momentum < 1:
     raise ValueError(f'config key optim.logra.momentum must be in [0, 1) (0: off), '
                      f'got {lg.momentum}')
