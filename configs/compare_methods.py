@@ -36,8 +36,9 @@ RowAdam and the budget, no sketch noise), and (session 14) `logra_m0.9_T100` at 
 2e-4 and 8e-4 and `logra_m0.95_T100`; (session 15) `logra_m0.95_T100_rest`, the default
 with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate); (session 16)
 `logra_m0.95_T100_rest_adam` and `_adafactor`, the default with Adam's per-entry scaling in
-sketch space or its row x column factorisation (optim.logra.sketch_optimizer), on seeds 0-2
-and, in tiny_confirm, 3-5.
+sketch space or its row x column factorisation (optim.logra.sketch_optimizer), and
+`logra_m0.95_T100_rest_adaptive`, the default with an adaptive subspace (optim.logra.subspace),
+on seeds 0-2 and, in tiny_confirm, 3-5.
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -125,6 +126,12 @@ def ablation(arg=None) -> dict:
     for name in ('adam', 'adafactor'):
       arms[f'logra_m0.95_T100_rest_{name}'] = dict(arms['logra_m0.95_T100_rest'],
                                                    **{'optim.logra.sketch_optimizer': name})
+    # Session 16, after those two were fixed (before any of their results), before its own
+    # runs: an adaptive subspace (docs/method.md section 13): at each refresh A is rebuilt from
+    # the co-sketch G m^T of the refresh step, 8 of its 64 rows kept random.
+    arms['logra_m0.95_T100_rest_adaptive'] = dict(
+        arms['logra_m0.95_T100_rest'], **{'optim.logra.subspace': 'adaptive',
+                                          'optim.logra.subspace_random_rows': 8})
   if task == 'smollm2':  # tiny's best lever (tiny.py's default since session 14), before any run
     arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
     # Session 15, before its runs: with the unsketched leaves (the tied embedding, norm scales)
@@ -144,7 +151,8 @@ def ablation(arg=None) -> dict:
     arms = {'logra_m0.95_T100_rest': arms['logra_m0.95_T100_rest'],
             f'adam_lr{lrs[1]:g}': arms[f'adam_lr{lrs[1]:g}'],
             **{a: arms[a] for a in ('logra_m0.95_T100_rest_adam',      # session 16
-                                    'logra_m0.95_T100_rest_adafactor')}}
+                                    'logra_m0.95_T100_rest_adafactor',
+                                    'logra_m0.95_T100_rest_adaptive')}}
     seeds = (3, 4, 5)
   return {'arms': arms, 'seeds': seeds,
           'reference_arms': [a for a in arms if a.startswith('adam_lr')],

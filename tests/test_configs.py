@@ -324,6 +324,22 @@ def test_sketch_adam_needs_constant_ranks_and_an_unknown_optimizer_is_named():
   assert config_lib.CHOICES['optim.logra.sketch_optimizer'] == sketch.SKETCH_OPTIMIZERS
 
 
+def test_adaptive_subspace_needs_momentum_refresh_and_constant_ranks():
+  ok = config_lib.from_config_dict(config_dict(optim__logra__subspace='adaptive',
+                                               optim__logra__subspace_random_rows=8))
+  assert (ok.optim.logra.subspace, ok.optim.logra.subspace_random_rows) == ('adaptive', 8)
+  for bad, why in ((dict(optim__logra__momentum=0.0), 'momentum > 0'),
+                   (dict(optim__logra__refresh=False), 'refresh=True'),
+                   (dict(optim__logra__rank_delta=4, optim__logra__momentum=0.0),
+                    'rank_delta=0'),
+                   (dict(optim__logra__subspace_random_rows=65), 'subspace_random_rows'),
+                   (dict(optim__logra__rank_rules='q_proj=8'), 'no rank_rules')):
+    with pytest.raises(ValueError, match=r"subspace='adaptive' needs .*" + re.escape(why)):
+      config_lib.from_config_dict(config_dict(optim__logra__subspace='adaptive', **bad))
+  with pytest.raises(ValueError, match=r"optim\.logra\.subspace='learned' must be one of"):
+    config_lib.from_config_dict(config_dict(optim__logra__subspace='learned'))
+
+
 def test_rest_learning_rate_is_refused_below_zero_and_belongs_to_logra():
   with pytest.raises(ValueError, match=r'optim\.logra\.rest_learning_rate must be >= 0'):
     config_lib.from_config_dict(config_dict(optim__logra__rest_learning_rate=-1e-4))

@@ -173,7 +173,8 @@ STEP_SCRIPT = '''
     out = {}
     # logra_rest: the unsketched leaves by Adam, and Adafactor's row x column scaling in
     # sketch space (factored moments: (L, R) rows, (L, D) columns).
-    for name in ('logra', 'logra_rest', 'adam'):
+    # logra_adaptive: A in the state, rebuilt from the co-sketches at both steps.
+    for name in ('logra', 'logra_rest', 'logra_adaptive', 'adam'):
       cfg = default_config()
       cfg.optim.name, cfg.optim.micro_batches = name.partition('_')[0], 2
       if name.startswith('logra'):
@@ -181,6 +182,9 @@ STEP_SCRIPT = '''
         cfg.optim.logra.rest_learning_rate = 1e-3 if name == 'logra_rest' else 0.0
         if name == 'logra_rest':
           cfg.optim.logra.sketch_optimizer = 'adafactor'
+        if name == 'logra_adaptive':
+          cfg.optim.logra.subspace, cfg.optim.logra.subspace_random_rows = 'adaptive', 2
+          cfg.optim.logra.momentum, cfg.optim.logra.refresh_every = 0.9, 1
       else:
         cfg.optim.adam.learning_rate = 1e-3
       # Pairs of samples: one and four devices pack the same rows (runs of 2 sharing a prompt,
@@ -210,6 +214,10 @@ STEP_SCRIPT = '''
         out[f'{name}/update/' + '/'.join(path)] = w - traverse_util.flatten_dict(host)[path]
       for i, x in enumerate(jax.tree.leaves(jax.device_get(state['opt_state']))):
         out[f'{name}/opt_state/{i}'] = x
+      if name == 'logra_adaptive':                   # A: replicated, the same on 1 and 4
+        for i, x in enumerate(jax.tree.leaves(state['projections'])):
+          assert x.sharding.is_fully_replicated, x.sharding
+          out[f'{name}/projections/{i}'] = np.asarray(jax.device_get(x))
     np.savez(out_path, **out)
     print('ok')
 '''
@@ -222,8 +230,8 @@ def _step_results(devices, path):
 
 
 def test_logra_and_adam_steps_sharded_equal_unsharded(tmp_path):
-  """Two steps of each (LoGRA, LoGRA with its rest trained and sketch Adafactor, AdamW) on 1
-  and on 4 devices (run side by side); each device holds 1/4.
+  """Two steps of each (LoGRA, LoGRA with its rest trained and sketch Adafactor, LoGRA with an
+  adaptive subspace, AdamW) on 1 and on 4 devices (run side by side); each device holds 1/4.
 
   In float64: at step 2 Adam's update m̂/(√v̂ + ε) divides by the gradients' own size, so an
   entry whose gradient is a cancelling sum carries fp32 rounding far above the module's 1e-6
@@ -244,6 +252,7 @@ def test_logra_and_adam_steps_sharded_equal_unsharded(tmp_path):
   assert sorted(one) == sorted(four)
   assert one['logra/metrics/1/alpha'] > 0 and one['logra/metrics/2/skipped'] == 0
   assert one['logra_rest/metrics/2/skipped'] == 0
+  assert one['logra_adaptive/metrics/2/skipped'] == 0
   assert np.any(one['logra_rest/update/final_norm/scale'] != 0)  # the rest trained
   assert not np.any(one['logra/update/final_norm/scale'])        # and only there
   for k in sorted(one):

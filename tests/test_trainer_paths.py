@@ -59,6 +59,10 @@ PATHS = {
     # checkpoints and resumes, its second moments through a change of A.
     'logra_rest': dict(optim__logra__rest_learning_rate=1e-3,
                        optim__logra__sketch_optimizer='adam', optim__logra__refresh_every=2),
+    # An adaptive subspace (A in the state, rebuilt from the co-sketch at steps 2 and 3: refresh
+    # every 2 steps would rebuild at 2 only, so every step; two random rows of the 64).
+    'logra_adaptive': dict(optim__logra__subspace='adaptive', optim__logra__refresh_every=1,
+                           optim__logra__subspace_random_rows=2),
 }
 
 
@@ -80,6 +84,16 @@ def test_advantage_and_loss_paths_run_and_resume_exactly(path, tmp_path):
             if k[-1] == 'scale']
   trains_rest = path == 'logra_rest' or PATHS[path].get('optim__name') == 'adam'
   assert any(np.any(np.asarray(x) != 1.0) for x in scales) == trains_rest
+  if path == 'logra_adaptive':
+    # A lives in the state, rebuilt at each step: orthogonal rows of norm √(K/R), not the
+    # seed's (which has ±1 entries), and the A before it kept for the moments' transfer.
+    a = traverse_util.flatten_dict(jax.device_get(resumed.state['projections']))
+    prev = traverse_util.flatten_dict(jax.device_get(resumed.state['prev_projections']))
+    for p, x in a.items():
+      r, k = x.shape[-2:]
+      for layer in x.reshape(-1, r, k):
+        np.testing.assert_allclose(layer @ layer.T, (k / r) * np.eye(r), atol=1e-3 * k / r)
+      assert not np.allclose(np.abs(x), 1.0) and not np.allclose(x, prev[p]), p
   if path == 'running_baseline':
     # b_1 = mean r_1 (no previous batch), b_{t+1} = (1 − ema) b_t + ema·mean r_t. The loop's
     # baseline is float32 (rewards 1 and -0.01): 1e-6 relative covers its rounding.

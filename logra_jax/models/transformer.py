@@ -31,7 +31,8 @@ from logra_jax.models import kv_cache
 from logra_jax.models.config import ModelConfig
 from logra_jax.models.positions import (apply_rope, attention_masks, default_positions,
                                         rope_sin_cos)
-from logra_jax.sketch.dense import KERNEL_T, PROBE, PROJECTION, SketchDense, matmul_t
+from logra_jax.sketch.dense import (COPROBE, COPROJECTION, KERNEL_T, PROBE, PROJECTION,
+                                    SketchDense, matmul_t)
 
 # Mesh axes the batch is split over (`logra_jax.parallel`: batches data-parallel over both).
 BATCH_AXES = ('data', 'fsdp')
@@ -150,7 +151,8 @@ def _scanned_block(config: ModelConfig):
   block = Block
   if config.checkpoint_policy is not False:
     block = nn.remat(Block, policy=config.checkpoint_policy, prevent_cse=False)
-  return nn.scan(block, variable_axes={'params': 0, PROJECTION: 0, PROBE: 0},
+  return nn.scan(block, variable_axes={'params': 0, PROJECTION: 0, PROBE: 0, COPROJECTION: 0,
+                                       COPROBE: 0},
                  split_rngs={'params': True},
                  in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
                  length=config.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})

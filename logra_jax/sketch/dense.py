@@ -6,12 +6,15 @@ A projection `A_RxK` and a zero probe `P_RxD` ride along with the kernel `W_KxD`
 * `sketch_matmul` (a `jax.custom_vjp`): forward `x @ W`; backward returns the usual input
   cotangent and, as the probe's cotangent, the sketch `S = A @ G_W = (x Aᵀ)ᵀ g`. The dense
   kernel gradient `G_W` (K×D) is never formed; the residual is `x Aᵀ` (tokens × R), fp32.
+* `cosketch_matmul`: the same, and with an output-space B_R'xD and a zero coprobe (K, R')
+  also the co-sketch `G_W Bᵀ = xᵀ (g Bᵀ)` as the coprobe's cotangent (an adaptive subspace's
+  power-iteration step; it keeps x for the backward).
 * `sketch_matmul_linear`: `x @ W + (x Aᵀ) @ P`, the same layer written so that forward-mode
   AD works (custom_vjp functions cannot be JVP'd). Its JVP along a probe tangent U equals
   the JVP along the kernel tangent Aᵀ U, which is what the predicted-KL estimate needs.
 
 `SketchDense` (Flax Linen) reads A and P from the `projection` and `probe` variable
-collections under the name `kernel`, so the projection/probe/sketch trees have exactly the
+collections under the name `kernel` (B and the coprobe from `coprojection` / `coprobe`), so the projection/probe/sketch trees have exactly the
 paths of the sketched kernels in the `params` tree. Without them it is an ordinary Dense.
 Given a `kernel_t` collection instead (the kernel transposed, (D, K): a sampler's decode
 copy), it computes the same product as `matmul_t` and reads no kernel from `params`.
@@ -24,6 +27,8 @@ import jax.numpy as jnp
 
 PROJECTION = 'projection'
 PROBE = 'probe'
+COPROJECTION = 'coprojection'
+COPROBE = 'coprobe'
 KERNEL_T = 'kernel_t'
 SKETCH_MODES = ('vjp', 'linear')
 
@@ -98,6 +103,41 @@ def _sketch_matmul_bwd(res, g):
 sketch_matmul.defvjp(_sketch_matmul_fwd, _sketch_matmul_bwd)
 
 
+@jax.custom_vjp
+def cosketch_matmul(x, kernel, projection, probe, coprojection, coprobe):
+  """`sketch_matmul` that also returns the co-sketch `G_W Bᵀ` as the coprobe's cotangent.
+
+  Args:
+    x, kernel, projection, probe: as `sketch_matmul`.
+    coprojection: B, (R', D): output-space directions (the trainer: the sketch-space moment).
+    coprobe: zeros (K, R'), fp32.
+
+  The co-sketch is `G_W Bᵀ = xᵀ (g Bᵀ)`, (K, R'), at O(N (K + D) R') like the sketch; G_W is
+  never formed, but x itself (tokens × K) is kept for the backward (the dense backward's
+  residual), so this is for the steps that need it (an adaptive subspace's refresh).
+  """
+  del projection, probe, coprojection, coprobe
+  return _matmul(x, kernel)
+
+
+def _cosketch_matmul_fwd(x, kernel, projection, probe, coprojection, coprobe):
+  y = _matmul(x, kernel)
+  return y, (x, _xa(x, projection), kernel, projection, probe, coprojection, coprobe)
+
+
+def _cosketch_matmul_bwd(res, g):
+  x, xa, kernel, projection, probe, coprojection, coprobe = res
+  dx, dk, dp, s = _sketch_matmul_bwd((xa, kernel, projection, probe), g)
+  acc = _acc_dtype(x.dtype)
+  gb = jnp.einsum('...d,rd->...r', g.astype(acc), coprojection.astype(acc),
+                  preferred_element_type=acc)
+  c = jnp.einsum('...k,...r->kr', x.astype(acc), gb, preferred_element_type=acc)
+  return dx, dk, dp, s, jnp.zeros_like(coprojection), c.astype(coprobe.dtype)
+
+
+cosketch_matmul.defvjp(_cosketch_matmul_fwd, _cosketch_matmul_bwd)
+
+
 def sketch_matmul_linear(x, kernel, projection, probe):
   """`x @ kernel + (x Aᵀ) @ probe`: JVP along probe tangent U == JVP along kernel Aᵀ U."""
   y = _matmul(x, kernel)
@@ -137,8 +177,13 @@ class SketchDense(nn.Module):
     if self.has_variable(PROJECTION, 'kernel'):
       projection = self.get_variable(PROJECTION, 'kernel')
       probe = self.get_variable(PROBE, 'kernel')
-      fn = sketch_matmul if self.sketch_mode == 'vjp' else sketch_matmul_linear
-      y = fn(x, kernel, projection, probe)
+      if self.has_variable(COPROJECTION, 'kernel') and self.sketch_mode == 'vjp':
+        y = cosketch_matmul(x, kernel, projection, probe,
+                            self.get_variable(COPROJECTION, 'kernel'),
+                            self.get_variable(COPROBE, 'kernel'))
+      else:
+        fn = sketch_matmul if self.sketch_mode == 'vjp' else sketch_matmul_linear
+        y = fn(x, kernel, projection, probe)
     else:
       y = _matmul(x, kernel)
     return self._bias(y)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from logra_jax.sketch.dense import PROBE, PROJECTION
+from logra_jax.sketch.dense import COPROBE, COPROJECTION, PROBE, PROJECTION
 from logra_jax.sketch.projection import sample_projection
 from logra_jax.sketch.rank import RankRules
 
@@ -94,9 +94,22 @@ def zero_probes(params, projections, dtype=None):
       kernels, projections)
 
 
-def sketch_variables(params, projections, probes):
-  """The Flax variables dict that turns on sketching in every SketchDense."""
-  return {'params': params, PROJECTION: projections, PROBE: probes}
+def sketch_variables(params, projections, probes, coprojections=None, coprobes=None):
+  """The Flax variables dict that turns on sketching in every SketchDense (and co-sketching,
+  with ``coprojections`` B (…, R', D) and zero ``coprobes`` (…, K, R'))."""
+  out = {'params': params, PROJECTION: projections, PROBE: probes}
+  if coprojections is not None:
+    out.update({COPROJECTION: coprojections, COPROBE: coprobes})
+  return out
+
+
+def zero_coprobes(params, coprojections, dtype=None):
+  """Zero coprobes (…, K, R') for every coprojection B (…, R', D) (fp32 by default)."""
+  kernels = kernels_of(params, coprojections)
+  return jax.tree.map(
+      lambda k, b: jnp.zeros(b.shape[:-2] + k.shape[-2:-1] + b.shape[-2:-1],
+                             dtype or jnp.promote_types(jnp.float32, b.dtype)),
+      kernels, coprojections)
 
 
 def rest_of(params, projections):
@@ -114,16 +127,37 @@ def with_rest(params, rest):
   return traverse_util.unflatten_dict(flat)
 
 
-def sketch_value_and_grad(loss_fn: Callable, has_aux: bool = False, rest: bool = False):
+def _with_cosketch(loss_fn, has_aux, rest, params, projections, probes, coprojections, *args):
+  """`sketch_value_and_grad`'s co-sketch form: the gradient with respect to (probes, coprobes
+  [, the rest]) in one backward."""
+  point = (probes, zero_coprobes(params, coprojections))
+  if rest:
+    point = point + (rest_of(params, projections),)
+
+  def loss_at(pt):
+    p = with_rest(params, pt[2]) if rest else params
+    return loss_fn(sketch_variables(p, projections, pt[0], coprojections, pt[1]), *args)
+
+  value, grads = jax.value_and_grad(loss_at, has_aux=has_aux)(point)
+  return value, ((grads[0], grads[1], grads[2]) if rest else (grads[0], grads[1]))
+
+
+def sketch_value_and_grad(loss_fn: Callable, has_aux: bool = False, rest: bool = False,
+                          cosketch: bool = False):
   """Wraps ``loss_fn(variables, *args)`` into ``f(params, projections, *args)``.
 
   ``f`` returns ``(loss, sketches)`` (or ``((loss, aux), sketches)``): the sketch tree of the
   whole model from one ``jax.grad`` with respect to the probes only — the dense kernel
   gradients are never formed. ``rest=True``: ``(loss, (sketches, rest_grads))``, the same
   backward also giving the dense gradient of the leaves LoGRA does not sketch (`rest_of`).
+  ``cosketch=True``: ``f(params, projections, coprojections, *args)`` returns ``(loss,
+  (sketches, cosketches[, rest_grads]))``, the co-sketches ``G Bᵀ`` (…, K, R') of the same
+  backward (`dense.cosketch_matmul`).
   """
   def f(params, projections, *args):
     probes = zero_probes(params, projections)
+    if cosketch:
+      return _with_cosketch(loss_fn, has_aux, rest, params, projections, probes, *args)
     if not rest:
       g = jax.value_and_grad(
           lambda p: loss_fn(sketch_variables(params, projections, p), *args), has_aux=has_aux)

@@ -107,6 +107,10 @@ class LograSection:
   projection: str = 'rademacher'  # | 'gaussian' | 'orthogonal' (block SRHT, rank <= d_in)
   refresh: bool = True      # redraw A (False: fixed A)
   refresh_every: int = 1    # ... every this many steps (A held in between)
+  subspace: str = 'random'  # A at each refresh: 'random' (drawn from (seed, step)) |
+  #   'adaptive' (built from the co-sketch G m^T of the refresh step, m the momentum:
+  #   docs/method.md section 13; needs momentum > 0; generators get full weights)
+  subspace_random_rows: int = 0  # adaptive: rows of A kept random (GoLore), of the rank
   momentum: float = 0.0     # sketch-space first moment of RowAdam's updates (0: off), carried
   #   across redraws of A as m <- A_new A_old+ m (needs rank_delta=0)
   b2: float = 0.95
@@ -253,6 +257,7 @@ CHOICES = {
     # = sketch.SKETCH_OPTIMIZERS
     'optim.logra.sketch_optimizer': ('row_adam', 'adam', 'adafactor', 'sgd'),
     'optim.logra.projection': ('rademacher', 'gaussian', 'orthogonal'),
+    'optim.logra.subspace': ('random', 'adaptive'),
     'optim.logra.kl_probe': ('jvp', 'fd'),
     'optim.logra.param_rounding': ('stochastic', 'nearest'),  # = train.steps.PARAM_ROUNDINGS
     'optim.adam.trainable': ('all', 'sketched'),
@@ -292,6 +297,8 @@ def _check(cfg: TrainConfig):
     raise ValueError(f'config key optim.logra.sketch_optimizer={lg.sketch_optimizer!r} needs '
                      'constant ranks (its second moments have a rank axis): set '
                      'optim.logra.rank_delta=0')
+  if lg.subspace == 'adaptive':
+    _check_adaptive(lg)
   if not 0 <= lg.momentum < 1:
     raise ValueError(f'config key optim.logra.momentum must be in [0, 1) (0: off), '
                      f'got {lg.momentum}')
@@ -339,6 +346,18 @@ def _check(cfg: TrainConfig):
   if cfg.data.prompts_per_step * cfg.data.samples_per_prompt % cfg.optim.micro_batches:
     raise ValueError('config key optim.micro_batches must divide '
                      'data.prompts_per_step * data.samples_per_prompt')
+
+
+def _check_adaptive(lg: LograSection):
+  """An adaptive subspace builds A from the momentum at each refresh (docs/method.md §13)."""
+  needs = {'optim.logra.momentum > 0 (A is built from the sketch-space moment)': lg.momentum > 0,
+           'optim.logra.refresh=True (A changes at each refresh)': lg.refresh,
+           'optim.logra.rank_delta=0 (constant ranks)': not lg.rank_delta,
+           f'0 <= optim.logra.subspace_random_rows <= the rank ({lg.rank}) and no rank_rules':
+               0 <= lg.subspace_random_rows <= lg.rank and not lg.rank_rules}
+  missing = [k for k, ok in needs.items() if not ok]
+  if missing:
+    raise ValueError("config key optim.logra.subspace='adaptive' needs " + '; '.join(missing))
 
 
 def _check_method_keys(o: OptimSection):

@@ -39,8 +39,9 @@ def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
   lg = o.logra  # its defaults for the dense methods (no KL control, no mask: unused there)
   # The low-rank payload carries the sketched kernels only: with a dense-trained rest
   # (optim.logra.rest_learning_rate) the generators get full weights (`Method.last_update`).
-  low_rank_sync = cfg.rollout.engine == 'http' and not (o.name == 'logra' and
-                                                        lg.rest_learning_rate)
+  # So does an adaptive subspace: its A is not derivable from (seed, step).
+  low_rank_sync = cfg.rollout.engine == 'http' and not (
+      o.name == 'logra' and (lg.rest_learning_rate or lg.subspace == 'adaptive'))
   return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, lg.kl_control,
                           lg.kl_probe, lg.alpha_max, lg.sparse_mask,
                           return_update=low_rank_sync,
@@ -199,7 +200,53 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
     return {'params': params, 'opt_state': opt_state}, metrics
 
   last = [None]
+  if o.subspace == 'adaptive':
+    return _adaptive_logra_method(cfg, model, pl, lt, sh, spec_at(0))
   return Method(init, step, lambda s: s['params'], pl, last_update=lambda: last[0])
+
+
+def active_version(o, t: int) -> int:
+  """An adaptive subspace's A at step t: the one built at the last refresh before t (A is
+  built at steps T, 2T, … and used from the next step on; 0: the seed's A)."""
+  return (max(t - 1, 0) // o.refresh_every) * o.refresh_every
+
+
+def _adaptive_logra_method(cfg: TrainConfig, model, pl: Placement, lt: LograTrees, sh, spec0):
+  """LoGRA with A in the state (`optim.logra.subspace='adaptive'`, docs/method.md §13): the
+  seed's A at first, then at every refresh step t (t % T = 0) the A built from that step's
+  co-sketches, used from t + 1; ``a_prev`` (the A before) lets the moments follow it."""
+  o = cfg.optim.logra
+  get = functools.cache(lambda p: steps.make_adaptive_logra_step(
+      model, loss_config(cfg), lt.opt, _step_config(cfg, p), o.subspace_random_rows, sh,
+      lt.rest_opt))
+  opt_init = jax.jit(lt.init, out_shardings=lt.opt_shardings)
+  a_sh = lambda a: jax.tree.map(lambda _: pl.layout.replicated, a)
+  draw = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(jnp.float32),
+                                        steps.draw_projections(p, cfg.seed, 0, spec0)))
+
+  def init(params):
+    params = parallel.put(params, pl.params)
+    a = draw(params)
+    a = parallel.put(a, a_sh(a))
+    return {'params': params, 'opt_state': opt_init(), 'projections': a,
+            'prev_projections': a}
+
+  def step(state, batch, prompt_len, t, budget):
+    key = jax.random.fold_in(jax.random.key(cfg.seed), t)
+    version = np.uint32(active_version(o, t))
+    args = (state['params'], state['opt_state'], pl.put_batch(batch, prompt_len),
+            state['projections'], state['prev_projections'], version)
+    telemetry = steps.telemetry_at(cfg.optim.telemetry_every, t)
+    step_fn, refresh_fn = get(prompt_len)
+    if t % o.refresh_every:
+      params, opt_state, metrics = step_fn(*args, np.float32(budget), key, telemetry=telemetry)
+      return dict(state, params=params, opt_state=opt_state), metrics
+    params, opt_state, metrics, a_next = refresh_fn(
+        *args, np.uint32(cfg.seed), np.uint32(t), np.float32(budget), key, telemetry=telemetry)
+    return {'params': params, 'opt_state': opt_state, 'projections': a_next,
+            'prev_projections': state['projections']}, metrics
+
+  return Method(init, step, lambda s: s['params'], pl, last_update=lambda: None)
 
 
 def sketched_mask(abstract_params):

@@ -10,6 +10,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 
 from logra_jax import sketch
 from logra_jax.train import completion
@@ -45,6 +46,9 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   optimizer so that sketch-space momentum follows a redrawn A (`sketch.momentum`). Outputs as
   ``make_logra_step``'s step.
 
+  ``coprojections`` (optional, B per kernel): the same backward also sums the co-sketches
+  G Bᵀ, returned as a fourth output (`make_adaptive_logra_step`'s refresh).
+
   ``rest_opt`` (optional; `optim.logra.rest_learning_rate`): the leaves LoGRA does not sketch
   (`sketch.rest_of`: embeddings, the head, norm scales) train densely with it, from the
   gradient the same backward gives them. ``opt_state`` is then (sketch state, rest state); the
@@ -60,18 +64,26 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     raise ValueError('logra_update_fn: return_update with rest_opt: the low-rank payload (α·U) '
                      'cannot carry the densely trained rest; sync full weights instead')
 
-  def update(params, opt_state, batch, projections, budget, key, telemetry=True, **basis):
+  def update(params, opt_state, batch, projections, budget, key, telemetry=True,
+             coprojections=None, **basis):
     mb_sharding = micro_batches.micro_batch_sharding_of(sh, batch, sc.micro_batches)
     mb_loss = functools.partial(loss, share=micro_batches.mb_share(sc, batch, sh))
-    grad_fn = lambda mb, w: sketch.sketch_value_and_grad(mb_loss, has_aux=True, rest=rest)(
-        params, projections, mb, w)
     probes = sketch.zero_probes(params, projections)
     # The probe point and the direction of the step: the sketch's, and the rest's with rest_opt.
     point = (probes, sketch.rest_of(params, projections)) if rest else probes
     zeros = constrain(jax.tree.map(lambda x: jnp.zeros(x.shape, _acc(x.dtype)), point),
                       sh and sh.accum)
+    if coprojections is None:
+      grad_fn = lambda mb, w: sketch.sketch_value_and_grad(mb_loss, has_aux=True, rest=rest)(
+          params, projections, mb, w)
+    else:  # the co-sketches G Bᵀ too (an adaptive subspace's refresh), summed likewise
+      grad_fn = lambda mb, w: _regroup(sketch.sketch_value_and_grad(
+          mb_loss, has_aux=True, rest=rest, cosketch=True)(params, projections, coprojections,
+                                                           mb, w), rest)
+      zeros = (zeros, sketch.zero_coprobes(params, coprojections))
     grads, metrics = accumulate(grad_fn, zeros, batch, sc.micro_batches, loss_cfg.aggregation,
                                 mb_sharding)
+    grads, cosketches = grads if coprojections is not None else (grads, None)
     s, g_rest = grads if rest else (grads, None)
     if sc.sparse_mask:
       s = sketch.sparse_mask_tree(s, key, sc.sparse_mask)
@@ -109,12 +121,21 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
         predicted_kl=alpha**2 * q, kl_coefficient=q, alpha=alpha, kl_budget=budget,
         realized_kl=realized_kl, kl_telemetry=kl_probe.telemetry_metric(sc, telemetry),
         sketch_norm=optax.global_norm(s), skipped=1.0 - ok.astype(jnp.float32))
+    if coprojections is not None:
+      return new_params, new_opt_state, metrics, cosketches
     if not sc.return_update:
       return new_params, new_opt_state, metrics
     applied = jax.tree.map(lambda x: jnp.where(ok, alpha * x, 0).astype(jnp.float32), u)
     return new_params, new_opt_state, metrics, applied
 
   return update
+
+
+def _regroup(out, rest):
+  """(value, (s, c[, rest])) → (value, ((s[, rest]), c)): the accumulators' layout."""
+  value, grads = out
+  s, c = grads[0], grads[1]
+  return value, (((s, grads[2]) if rest else s), c)
 
 
 def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs, sc: StepConfig,
@@ -155,3 +176,75 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   return kl_probe.with_telemetry_flag(jax.jit(
       step, donate_argnums=(0, 1), in_shardings=(sh.params, sh.opt_state, sh.batch) + (r,) * 5,
       out_shardings=outs))
+
+
+ADAPTIVE_SALT = 0x5A17  # the adaptive subspace's random rows: a stream apart from the rounding
+
+
+def sketch_momentum_of(sketch_state):
+  """The sketch-space moments m (…, R, D) inside a LoGRA sketch optimizer's state."""
+  is_m = lambda x: isinstance(x, sketch.SketchMomentumState)
+  found = [x for x in jax.tree.leaves(sketch_state, is_leaf=is_m) if is_m(x)]
+  if len(found) != 1:
+    raise ValueError('an adaptive subspace builds A from the sketch-space moment: the sketch '
+                     f'optimizer must have one (optim.logra.momentum > 0), found {len(found)}')
+  return found[0].mu
+
+
+def make_adaptive_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
+                             sc: StepConfig, random_rows: int,
+                             sh: Optional[StepShardings] = None,
+                             rest_opt: Optional[optax.GradientTransformation] = None):
+  """The LoGRA step with A carried in the state: an adaptive subspace (docs/method.md §13).
+
+  Returns ``(step, refresh)``, both jitted, params and opt_state donated:
+    ``step(params, opt_state, batch, a, a_prev, version, budget, key, telemetry=True)`` →
+      ``(params, opt_state, metrics)``: the LoGRA step on the state's A. ``version`` (uint32)
+      names A (the step that built it); when it differs from the optimizer state's basis, the
+      moments move from ``a_prev``'s basis to ``a``'s (``basis_transfer(a, a_prev)``).
+    ``refresh(params, opt_state, batch, a, a_prev, version, seed, t, budget, key,
+      telemetry=True)`` → ``(params, opt_state, metrics, a_next)``: the same step, whose
+      backward also sums the co-sketches C = G mᵀ (m: the sketch-space moment before this
+      step, (…, R, D)), and the next A from them (`sketch.adaptive_projection`: R −
+      ``random_rows`` rows from C, ``random_rows`` random ones keyed by (seed, t)). A
+      skipped step, or a non-finite C, keeps A.
+  The generators cannot rebuild such an A from a seed: the trainer syncs full weights
+  (``sc.return_update`` is refused).
+  """
+  if sc.return_update:
+    raise ValueError('make_adaptive_logra_step: return_update: the low-rank payload rebuilds A '
+                     'from (seed, step); an adaptive A is not derivable, sync full weights')
+  update = logra_update_fn(model, loss_cfg, opt, sc, sh, rest_opt)
+  basis = lambda a, a_prev, version: dict(
+      basis=version, basis_change=lambda old: sketch.basis_transfer(a, a_prev))
+
+  def step(params, opt_state, batch, a, a_prev, version, budget, key, telemetry):
+    return update(params, opt_state, batch, a, budget, key, telemetry,
+                  **basis(a, a_prev, version))
+
+  def refresh(params, opt_state, batch, a, a_prev, version, seed, t, budget, key, telemetry):
+    m = sketch_momentum_of(opt_state[0] if rest_opt is not None else opt_state)
+    new_params, new_opt_state, metrics, c = update(
+        params, opt_state, batch, a, budget, key, telemetry, coprojections=m,
+        **basis(a, a_prev, version))
+    base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), t), ADAPTIVE_SALT)
+    flat_c, flat_a = traverse_util.flatten_dict(c), traverse_util.flatten_dict(a)
+    nxt = {p: sketch.adaptive_projection(flat_c[p], jax.random.fold_in(base, i),
+                                         flat_a[p].shape[-2], random_rows,
+                                         dtype=flat_a[p].dtype)
+           for i, p in enumerate(sorted(flat_c))}
+    nxt = traverse_util.unflatten_dict(nxt)
+    keep = (metrics['skipped'] == 0) & all_finite(nxt)
+    nxt = jax.tree.map(lambda n, o: jnp.where(keep, n, o), nxt, a)
+    return new_params, new_opt_state, metrics, nxt
+
+  if sh is None:
+    jit = lambda f: jax.jit(f, donate_argnums=(0, 1))
+  else:
+    r = sh.replicated
+    jit = lambda f, n_in, outs: jax.jit(
+        f, donate_argnums=(0, 1), in_shardings=(sh.params, sh.opt_state, sh.batch) + (r,) * n_in,
+        out_shardings=outs)
+    return (kl_probe.with_telemetry_flag(jit(step, 6, (sh.params, sh.opt_state, r))),
+            kl_probe.with_telemetry_flag(jit(refresh, 8, (sh.params, sh.opt_state, r, r))))
+  return (kl_probe.with_telemetry_flag(jit(step)), kl_probe.with_telemetry_flag(jit(refresh)))
