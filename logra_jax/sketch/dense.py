@@ -14,8 +14,9 @@ A projection `A_RxK` and a zero probe `P_RxD` ride along with the kernel `W_KxD`
   the JVP along the kernel tangent Aᵀ U, which is what the predicted-KL estimate needs.
 
 `SketchDense` (Flax Linen) reads A and P from the `projection` and `probe` variable
-collections under the name `kernel` (B and the coprobe from `coprojection` / `coprobe`), so the projection/probe/sketch trees have exactly the
-paths of the sketched kernels in the `params` tree. Without them it is an ordinary Dense.
+collections under the name `kernel` (B and the coprobe from `coprojection` / `coprobe`), so
+the projection/probe/sketch trees have exactly the paths of the sketched kernels in the
+`params` tree. Without them it is an ordinary Dense.
 Given a `kernel_t` collection instead (the kernel transposed, (D, K): a sampler's decode
 copy), it computes the same product as `matmul_t` and reads no kernel from `params`.
 """
