@@ -9,6 +9,13 @@ Run (arm, seed) is `experiments/train.py --config=configs/compare_methods.py:TAS
 already hold the held-out evaluation of its last step is skipped, an unfinished one resumes
 from its checkpoint, so a study grows across invocations (`--max_runs` bounds one). Runs go
 seed by seed (every arm's seed 0, then every arm's seed 1, ...): a partial study is balanced.
+`--arms=A,B` trains only those arms now (the report still covers every finished run).
+
+A study can also grow across machines: `--prior=RESULTS_JSON` (an earlier invocation's
+results.json of the same task, e.g. the copy in docs/runs/) counts its runs as finished
+where this workdir holds none, but only for arms whose overrides there equal the config's
+now (an arm whose definition changed is not imported; the log names it). Imported runs keep
+their curves, wall time and command, and are marked `prior` in results.json and results.md.
 
 Writes WORKDIR/results.json, results.md and compare_methods.png (mean held-out pass@1 curves
 with s.e. bands) from every finished run:
@@ -43,6 +50,9 @@ def define_flags():
   flags.DEFINE_string('workdir', None, 'The study directory.')
   flags.DEFINE_integer('max_runs', 0, 'Train at most this many runs now (0: all).')
   flags.DEFINE_bool('report_only', False, 'Only aggregate the finished runs.')
+  flags.DEFINE_list('arms', [], 'Train only these arms now (default: every arm).')
+  flags.DEFINE_string('prior', None, "An earlier results.json of the task: its runs count "
+                      "as finished where the workdir has none (arms defined as now only).")
   flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -166,8 +176,43 @@ def finished_runs(workdir: str, study: dict, total_steps: dict, path: str, task:
       if s is not None:
         out[arm][seed] = dict(s, wall_s=_read_wall(d) or None,
                               command=' '.join(command(path, task, arm, seed, workdir)[1:])
-                              .replace(ROOT + os.sep, ''))  # relative to the repository
+                              .replace(ROOT + os.sep, '')  # relative to the repository
+                              .replace(os.getcwd() + os.sep, ''))  # and to the invocation
   return out
+
+
+def prior_runs(prior: dict, task: str, study: dict) -> tuple:
+  """({arm: {seed: run}} of ``prior`` (a results.json) this study may count, [skipped arms]).
+
+  Only arms of this study whose overrides in the prior's study equal this study's (compared
+  as JSON: the prior's arm ran what this arm names) and seeds of this study are taken; each
+  run is marked ``prior: True``."""
+  if prior.get('task') != task:
+    raise ValueError(f'--prior: a results.json of task {prior.get("task")!r}, not {task!r}')
+  canon = lambda o: json.dumps(o, sort_keys=True)
+  out, skipped = {}, []
+  for arm, runs in prior.get('runs', {}).items():
+    if arm not in study['arms']:
+      continue
+    if canon(prior['study']['arms'].get(arm)) != canon(study['arms'][arm]):
+      skipped.append(arm)
+      continue
+    out[arm] = {int(s): dict(r, prior=True) for s, r in runs.items()
+                if int(s) in study['seeds']}
+  return out, skipped
+
+
+def merge_runs(runs: dict, prior: dict) -> dict:
+  """The workdir's finished runs, and the prior's where the workdir has none."""
+  return {a: {**prior.get(a, {}), **rs} for a, rs in runs.items()}
+
+
+def arms_to_train(study: dict, names) -> list:
+  """The study's arms in its order, or only ``names`` (each must be one of them)."""
+  unknown = [n for n in names if n not in study['arms']]
+  if unknown:
+    raise ValueError(f'--arms: unknown arm(s) {unknown} (arms: {list(study["arms"])})')
+  return [a for a in study['arms'] if not names or a in names]
 
 
 def memory_figures(cfgs: dict, seq) -> dict:
@@ -202,7 +247,8 @@ def markdown(results: dict) -> str:
                                if 'vs_logra' in s else '',
         'opt state MiB': _mib(m.get('opt_state_bytes')), 'grad MiB': _mib(m.get('grad_bytes')),
         'step peak MiB': _mib(m.get('step_peak_bytes')),
-        'wall min': f"{s['wall_s_mean'] / 60:.1f}" if s.get('wall_s_mean') else ''})
+        'wall min': f"{s['wall_s_mean'] / 60:.1f}" if s.get('wall_s_mean') else '',
+        'runs from --prior': sum(1 for r in results['runs'][arm].values() if r.get('prior'))})
   cols = list(rows[0]) if rows else ['arm']
   return (f"# compare_methods: {results['task']}\n\nReference (best-mean dense-AdamW lr): "
           f"{ref}. ± is one s.e. over seeds (paired by seed for the difference).\n\n"
@@ -261,6 +307,12 @@ def main(argv):
   study = ablation_io.settings(flags.FLAGS['config'])
   workdir = os.path.abspath(flags.FLAGS.workdir)
   max_runs, report_only = flags.FLAGS.max_runs, flags.FLAGS.report_only
+  train_arms = arms_to_train(study, flags.FLAGS.arms)
+  prior, skipped = ({}, [])
+  if flags.FLAGS.prior:
+    prior, skipped = prior_runs(json.load(open(flags.FLAGS.prior)), task, study)
+    if skipped:
+      print(f'--prior: not imported (defined otherwise there): {skipped}')
   from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   module = _load(path)
   cfgs = {arm: config_lib.from_config_dict(module.get_config(f'{task}/{arm}'))
@@ -269,16 +321,17 @@ def main(argv):
   done = 0
   if not report_only:
     for seed in study['seeds']:
-      for arm in study['arms']:
+      for arm in train_arms:
         d = run_dir(workdir, arm, seed)
-        if finished_runs(workdir, {'arms': [arm], 'seeds': [seed]}, total, path, task)[arm]:
+        if (seed in prior.get(arm, {}) or
+            finished_runs(workdir, {'arms': [arm], 'seeds': [seed]}, total, path, task)[arm]):
           continue
         if max_runs and done >= max_runs:
           break
         train_run(command(path, task, arm, seed, workdir), d,
                   os.path.join(workdir, 'xla_cache'), print)
         done += 1
-  runs = finished_runs(workdir, study, total, path, task)
+  runs = merge_runs(finished_runs(workdir, study, total, path, task), prior)
   results = aggregate(runs, study['reference_arms'])
   results.update(task=task, study={k: v for k, v in study.items()},
                  runs={a: {str(s): r for s, r in rs.items()} for a, rs in runs.items()},

@@ -68,6 +68,37 @@ def test_a_lever_arm_is_paired_with_the_base_logra_arm():
   assert lever['vs_reference']['mean'] == pytest.approx(0.15)  # (0.2 + 0.1) / 2
 
 
+def test_a_prior_study_counts_only_arms_defined_as_now():
+  run = lambda final: {'final': final, 'best': final, 'curve': [(0, 0.1), (5, final)]}
+  study = {'arms': {'logra': {'optim.logra.momentum': 0.9, 'optim.logra.refresh_every': 100},
+                    'adam_a': {'optim.name': 'adam'}, 'logra_new': {}}, 'seeds': [0, 1]}
+  prior = {'task': 'tiny',
+           'study': {'arms': {'logra': {'optim.logra.refresh_every': 100,
+                                        'optim.logra.momentum': 0.9},  # same, other order
+                              'adam_a': {'optim.name': 'adam', 'optim.adam.b2': 0.95},
+                              'gone': {}}},
+           'runs': {'logra': {'0': run(0.5), '1': run(0.6), '7': run(0.9)},
+                    'adam_a': {'0': run(0.4)}, 'gone': {'0': run(0.2)}}}
+  got, skipped = compare_methods.prior_runs(prior, 'tiny', study)
+  assert skipped == ['adam_a']  # its overrides there differ from the study's now
+  assert set(got) == {'logra'} and set(got['logra']) == {0, 1}  # seed 7 is not the study's
+  assert got['logra'][0] == dict(run(0.5), prior=True)
+  here = {'logra': {1: run(0.7)}, 'adam_a': {}, 'logra_new': {}}
+  merged = compare_methods.merge_runs(here, got)
+  assert merged['logra'][1]['final'] == 0.7 and merged['logra'][0]['prior']  # the workdir wins
+  assert merged['adam_a'] == {} and merged['logra_new'] == {}
+  with pytest.raises(ValueError, match="task 'tiny', not 'smollm2'"):
+    compare_methods.prior_runs(prior, 'smollm2', study)
+
+
+def test_arms_to_train_keeps_the_study_order_and_refuses_unknown_arms():
+  study = {'arms': {'logra': {}, 'adam_a': {}, 'logra_x': {}}}
+  assert compare_methods.arms_to_train(study, []) == ['logra', 'adam_a', 'logra_x']
+  assert compare_methods.arms_to_train(study, ['logra_x', 'logra']) == ['logra', 'logra_x']
+  with pytest.raises(ValueError, match=r"unknown arm\(s\) \['nope'\]"):
+    compare_methods.arms_to_train(study, ['nope'])
+
+
 # ------------------------------------------------------------------- the smoke study
 
 @pytest.fixture(scope='module')
@@ -82,6 +113,28 @@ def smoke(tmp_path_factory):
   again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
   assert again.returncode == 0, again.stderr[-3000:]
   return workdir, json.load(open(workdir / 'results.json'))
+
+
+def test_a_study_on_another_machine_counts_the_prior_results(smoke, tmp_path):
+  """A fresh workdir with --prior= the smoke study's results.json trains nothing (one arm
+  only asked for) and reports the same figures, every run marked as imported."""
+  workdir, res = smoke
+  cmd = [sys.executable, os.path.join(ROOT, 'experiments', 'compare_methods.py'),
+         f"--config={os.path.join(ROOT, 'configs', 'compare_methods.py')}:smoke",
+         f'--workdir={tmp_path}', f"--prior={workdir / 'results.json'}", '--arms=logra']
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
+  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  got = json.load(open(tmp_path / 'results.json'))
+  assert got['trained_now'] == 0 and not (tmp_path / 'runs').exists()
+  assert got['reference'] == res['reference']
+  for arm, s in res['arms'].items():
+    for key in ('n', 'final_mean', 'final_se', 'best_mean', 'vs_reference'):
+      assert got['arms'][arm][key] == s[key], (arm, key)
+  assert all(r['prior'] for rs in got['runs'].values() for r in rs.values())
+  rows = [r for r in (tmp_path / 'results.md').read_text().splitlines() if r.startswith('| ')]
+  assert rows[0].endswith('| runs from --prior |')
+  assert len(rows) == 4 and all(r.endswith('| 2 |') for r in rows[2:])  # 2 seeds, imported
 
 
 def _by_hand(workdir, arm, seed, total_steps=3):
