@@ -189,6 +189,27 @@ def test_27b_task_mixture_builds_and_scores_its_own_answers():
     assert verify_reasoning_gym(f"<answer>{r['answer']}</answer>", r['reference']) == 1.0
 
 
+def test_smollm2_held_out_set_meets_eval_size_and_keeps_the_smaller_pools_problems():
+  """Easy arithmetic repeats its training questions often: 2 x 256 drawn left 251 after the
+  overlap was dropped. The pool grows until 256 are met, and only appends: the 251 evaluated
+  before are its first 251, in order."""
+  from logra_jax import data  # pylint: disable=g-import-not-at-top
+  cfg = _config('compare_methods', 'smollm2/adam_lr1e-05')  # the parity study's 256
+  d = cfg.data
+  train, held = tasks._splits(cfg)  # pylint: disable=protected-access
+  assert len(held) == d.eval_size == 256
+  assert not {r['question'] for r in held} & {r['question'] for r in train}
+  name, options = tasks.reasoning_gym_spec(d.name, json.loads(d.options))
+  _, before = data.get_source('reasoning_gym', dataset=name, size=d.train_size, seed=cfg.seed,
+                              heldout_size=2 * d.eval_size, **options)
+  assert len(before) == 251
+  assert [r['question'] for r in held[:251]] == [r['question'] for r in before]
+  tight = json.dumps(dict(json.loads(d.options), max_digits=1, operators=['+']))
+  small = dataclasses.replace(cfg, data=dataclasses.replace(d, options=tight, eval_size=64))
+  with pytest.raises(ValueError, match=r'data.eval_size=64: only \d+ of 1024 held-out'):
+    tasks._splits(small)  # pylint: disable=protected-access
+
+
 @pytest.mark.parametrize('name', PAPER)
 def test_paper_configs_fail_clearly_without_weights(name, tmp_path):
   cfg = _config(name)

@@ -61,15 +61,37 @@ def _splits(cfg: TrainConfig):
     train, held = data.get_source('tiny_addition', seed=cfg.seed)
   elif d.source == 'reasoning_gym':
     name, options = reasoning_gym_spec(d.name, json.loads(d.options))
-    # Twice the held-out items: those also in train are dropped (small question spaces, e.g.
-    # 2-term arithmetic, repeat often), and eval_size should still be met.
-    train, held = data.get_source('reasoning_gym', dataset=name, size=d.train_size,
-                                  seed=cfg.seed, heldout_size=2 * d.eval_size, **options)
+    train, held = _reasoning_gym_splits(d, name, options, cfg.seed)
   else:
     _check_data_files(cfg)
     train, held = data.get_source('file', path=d.path, heldout_path=d.eval_path or None,
                                   seed=cfg.seed)
   return train, held[:d.eval_size]
+
+
+def _reasoning_gym_splits(d, name: str, options: dict, seed: int):
+  """reasoning-gym's (train, held-out) with at least ``d.eval_size`` held-out problems.
+
+  Held-out items also in train are dropped (small question spaces, e.g. 2-term arithmetic,
+  repeat often: SmolLM2's easy arithmetic lost 261 of 512), so the pool starts at twice
+  eval_size and doubles until eval_size is met. Item i is drawn from Random(seed + size + i)
+  whatever the pool's size, so a larger pool only appends: the set is the first eval_size
+  survivors either way."""
+  pool = 2 * d.eval_size
+  while True:
+    train, held = data.get_source('reasoning_gym', dataset=name, size=d.train_size, seed=seed,
+                                  heldout_size=pool, **options)
+    if len(held) >= d.eval_size or pool >= MAX_HELDOUT_POOL * d.eval_size:
+      break
+    pool *= 2
+  if len(held) < d.eval_size:
+    raise ValueError(f'config key data.eval_size={d.eval_size}: only {len(held)} of {pool} '
+                     f'held-out problems of {name!r} are not also training questions; lower '
+                     'data.eval_size or data.train_size, or widen data.options')
+  return train, held
+
+
+MAX_HELDOUT_POOL = 16  # the largest held-out pool tried, in multiples of data.eval_size
 
 
 def _check_data_files(cfg: TrainConfig):
