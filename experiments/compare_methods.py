@@ -13,9 +13,11 @@ seed by seed (every arm's seed 0, then every arm's seed 1, ...): a partial study
 
 A study can also grow across machines: `--prior=RESULTS_JSON` (an earlier invocation's
 results.json of the same task, e.g. the copy in docs/runs/) counts its runs as finished
-where this workdir holds none, but only for arms whose overrides there equal the config's
-now (an arm whose definition changed is not imported; the log names it). Imported runs keep
-their curves, wall time and command, and are marked `prior` in results.json and results.md.
+where this workdir holds none, but only for arms that ran what they run now: their whole
+configs equal, where the prior records them (`resolved_configs`, written since session 17),
+else their overrides (an arm whose definition changed is not imported; the log names it).
+Imported runs keep their curves, wall time and command, and are marked `prior` in
+results.json and results.md.
 
 Writes WORKDIR/results.json, results.md and compare_methods.png (mean held-out pass@1 curves
 with s.e. bands) from every finished run:
@@ -28,6 +30,7 @@ with s.e. bands) from every finished run:
             memory_seq tokens per row).
 s.e. = sample standard deviation (ddof 1) / sqrt(n); None where n < 2.
 """
+import dataclasses
 import json
 import math
 import os
@@ -181,20 +184,31 @@ def finished_runs(workdir: str, study: dict, total_steps: dict, path: str, task:
   return out
 
 
-def prior_runs(prior: dict, task: str, study: dict) -> tuple:
+def resolved_configs(cfgs: dict) -> dict:
+  """{arm: its whole config as JSON values}: what an arm runs, base config included."""
+  return {arm: json.loads(json.dumps(dataclasses.asdict(c), default=str))
+          for arm, c in cfgs.items()}
+
+
+def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None) -> tuple:
   """({arm: {seed: run}} of ``prior`` (a results.json) this study may count, [skipped arms]).
 
-  Only arms of this study whose overrides in the prior's study equal this study's (compared
-  as JSON: the prior's arm ran what this arm names) and seeds of this study are taken; each
-  run is marked ``prior: True``."""
+  Only arms that ran what this study's arm runs, and seeds of this study, are taken: where
+  the prior records the arm's whole config (`resolved_configs`, since session 17) and
+  ``resolved`` has it, the two must be equal (a changed base config counts, a re-spelt
+  override does not); else its overrides must equal this study's (as JSON). Each run is
+  marked ``prior: True``."""
   if prior.get('task') != task:
     raise ValueError(f'--prior: a results.json of task {prior.get("task")!r}, not {task!r}')
   canon = lambda o: json.dumps(o, sort_keys=True)
+  then, now = prior.get('resolved_configs', {}), resolved or {}
   out, skipped = {}, []
   for arm, runs in prior.get('runs', {}).items():
     if arm not in study['arms']:
       continue
-    if canon(prior['study']['arms'].get(arm)) != canon(study['arms'][arm]):
+    same = (canon(then[arm]) == canon(now[arm]) if arm in then and arm in now else
+            canon(prior['study']['arms'].get(arm)) == canon(study['arms'][arm]))
+    if not same:
       skipped.append(arm)
       continue
     out[arm] = {int(s): dict(r, prior=True) for s, r in runs.items()
@@ -308,15 +322,16 @@ def main(argv):
   workdir = os.path.abspath(flags.FLAGS.workdir)
   max_runs, report_only = flags.FLAGS.max_runs, flags.FLAGS.report_only
   train_arms = arms_to_train(study, flags.FLAGS.arms)
-  prior, skipped = ({}, [])
-  if flags.FLAGS.prior:
-    prior, skipped = prior_runs(json.load(open(flags.FLAGS.prior)), task, study)
-    if skipped:
-      print(f'--prior: not imported (defined otherwise there): {skipped}')
   from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   module = _load(path)
   cfgs = {arm: config_lib.from_config_dict(module.get_config(f'{task}/{arm}'))
           for arm in study['arms']}
+  resolved = resolved_configs(cfgs)
+  prior, skipped = ({}, [])
+  if flags.FLAGS.prior:
+    prior, skipped = prior_runs(json.load(open(flags.FLAGS.prior)), task, study, resolved)
+    if skipped:
+      print(f'--prior: not imported (defined otherwise there): {skipped}')
   total = {arm: c.total_steps for arm, c in cfgs.items()}
   done = 0
   if not report_only:
@@ -335,7 +350,7 @@ def main(argv):
   results = aggregate(runs, study['reference_arms'])
   results.update(task=task, study={k: v for k, v in study.items()},
                  runs={a: {str(s): r for s, r in rs.items()} for a, rs in runs.items()},
-                 trained_now=done)
+                 trained_now=done, resolved_configs=resolved)
   results['memory'] = memory_figures(cfgs, tuple(study['memory_seq']))
   paths = ablation_io.write_results(workdir, NAME, results, markdown(results), figure(results))
   print(open(paths['md']).read())

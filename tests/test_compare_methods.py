@@ -91,6 +91,40 @@ def test_a_prior_study_counts_only_arms_defined_as_now():
     compare_methods.prior_runs(prior, 'smollm2', study)
 
 
+def test_a_prior_with_whole_configs_is_judged_by_them():
+  """Where the prior recorded each arm's whole config, that decides: an arm whose overrides
+  are the same but whose base config changed is refused, one whose override is only re-spelt
+  (pinning the value the base had) is taken."""
+  run = {'final': 0.5, 'best': 0.5, 'curve': [(0, 0.1), (5, 0.5)]}
+  base = {'optim': {'logra': {'momentum': 0.9, 'rest_learning_rate': 0.0}}, 'seed': 0}
+  moved = {'optim': {'logra': {'momentum': 0.9, 'rest_learning_rate': 2e-4}}, 'seed': 0}
+  study = {'arms': {'same_keys': {'optim.logra.momentum': 0.9},
+                    'pinned': {'optim.logra.momentum': 0.9,
+                               'optim.logra.rest_learning_rate': 0.0}}, 'seeds': [0]}
+  prior = {'task': 'tiny', 'resolved_configs': {'same_keys': base, 'pinned': base},
+           'study': {'arms': {'same_keys': {'optim.logra.momentum': 0.9},
+                              'pinned': {'optim.logra.momentum': 0.9}}},
+           'runs': {'same_keys': {'0': run}, 'pinned': {'0': run}}}
+  now = {'same_keys': moved, 'pinned': base}
+  got, skipped = compare_methods.prior_runs(prior, 'tiny', study, now)
+  assert skipped == ['same_keys'] and set(got) == {'pinned'}
+  # Without whole configs on either side, the overrides decide (as before session 17).
+  got, skipped = compare_methods.prior_runs(prior, 'tiny', study)
+  assert skipped == ['pinned'] and set(got) == {'same_keys'}
+
+
+def test_resolved_configs_are_json_and_tell_arms_apart():
+  from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
+  module = compare_methods._load(  # pylint: disable=protected-access
+      os.path.join(ROOT, 'configs', 'compare_methods.py'))
+  cfgs = {a: config_lib.from_config_dict(module.get_config(f'smoke/{a}'))
+          for a in ('logra', 'adam_lr0.0002')}
+  got = compare_methods.resolved_configs(cfgs)
+  assert json.loads(json.dumps(got)) == got
+  assert got['logra']['optim']['name'] == 'logra'
+  assert got['adam_lr0.0002']['optim']['name'] == 'adam'
+
+
 def test_arms_to_train_keeps_the_study_order_and_refuses_unknown_arms():
   study = {'arms': {'logra': {}, 'adam_a': {}, 'logra_x': {}}}
   assert compare_methods.arms_to_train(study, []) == ['logra', 'adam_a', 'logra_x']
@@ -132,6 +166,7 @@ def test_a_study_on_another_machine_counts_the_prior_results(smoke, tmp_path):
     for key in ('n', 'final_mean', 'final_se', 'best_mean', 'vs_reference'):
       assert got['arms'][arm][key] == s[key], (arm, key)
   assert all(r['prior'] for rs in got['runs'].values() for r in rs.values())
+  assert got['resolved_configs'] == res['resolved_configs']  # judged by whole configs
   rows = [r for r in (tmp_path / 'results.md').read_text().splitlines() if r.startswith('| ')]
   assert rows[0].endswith('| runs from --prior |')
   assert len(rows) == 3 and all(r.endswith('| 2 |') for r in rows[1:])  # 2 arms x 2 seeds
