@@ -429,7 +429,8 @@ def test_the_chosen_method_takes_its_own_keys():
 def test_the_tiny_config_refuses_a_method_switch_on_the_command_line():
   """configs/tiny.py sets optim.logra.*: --config.optim.name=adam names the LoGRA key and
   the :adam variant; the variant itself validates."""
-  with pytest.raises(ValueError, match=r"optim\.logra\.\w+=.*belongs to method 'logra'.*tiny\.py:adam"):
+  with pytest.raises(ValueError,
+                     match=r"optim\.logra\.\w+=.*belongs to method 'logra'.*tiny\.py:adam"):
     config_lib.from_config_dict(config_dict(optim__name='adam'))
   adam = config_lib.from_config_dict(tiny.get_config('adam'))
   assert (adam.optim.name, adam.optim.adam.learning_rate) == ('adam', 2e-4)
