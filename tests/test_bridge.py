@@ -482,3 +482,52 @@ def _hostile_blobs(draw, engine):
   header = json.dumps(draw(st.dictionaries(st.text(max_size=8), st.text(max_size=8),
                                            max_size=3))).encode()
   return struct.pack('<Q', len(header)) + header + draw(st.binary(max_size=64))
+
+
+def test_a_lowrank_blob_carries_an_a_that_no_seed_derives(served):
+  """An adaptive subspace's A (optim.logra.subspace='adaptive') travels in the blob: the
+  engine applies W + U @ A with the sent A (float64 reference; fp32 rounding of terms ~2e-2
+  is ~1e-9, a wrong or derived A moves W by ~1e-2), every other tensor untouched. A blob that
+  names such a kind without the A cannot be built; an A of the wrong shape is refused."""
+  engine, _, _ = served
+  names, rng = _names(engine), np.random.default_rng(5)
+  u = {n: (1e-2 * rng.normal(size=(engine.spec[n][0], 4))).astype(np.float32) for n in names}
+  a = {n: rng.normal(size=(4, engine.spec[n][1])).astype(np.float32) for n in names}
+  d_in = {n: engine.spec[n][1] for n in names}
+  encode = lambda given, **kw: wire.encode_lowrank(
+      u, d_in, seed=0, step=1, kind='adaptive', base_version=0, new_version=1,
+      projection=projection, projections=given, **kw)
+  before = {k: v.copy() for k, v in engine.master_weights().items()}
+  engine.pause('wait')
+  engine.start_update()
+  engine.update(encode(a))
+  engine.finish_update('1')
+  engine.resume()
+  after = engine.master_weights()
+  for k, w in before.items():
+    if k in a:
+      want = w.astype(np.float64) + u[k].astype(np.float64) @ a[k].astype(np.float64)
+      np.testing.assert_allclose(after[k], want, rtol=0, atol=1e-7, err_msg=k)
+    else:
+      assert after[k].tobytes() == w.tobytes(), k
+  assert engine.weight_version == '1'
+  mirror = sync.Mirror(_params(), CONFIG)  # wire.decode: vLLM's engine's path (numpy)
+  mirror.apply(encode(a), '0')
+  for k in a:
+    want = before[k].astype(np.float64) + u[k].astype(np.float64) @ a[k].astype(np.float64)
+    np.testing.assert_allclose(mirror.weights[k], want, rtol=0, atol=1e-7, err_msg=k)
+  # The same kind with its A stripped: refused whole (no seed derives it), nothing changed.
+  tensors, meta = wire.read_blob(encode(a))
+  stripped = wire.st_save({k: v for k, v in tensors.items() if not k.endswith('.A')},
+                          metadata=dict(meta, base_version='1', new_version='2'))
+  kept = {k: v.tobytes() for k, v in engine.master_weights().items()}
+  engine.pause('wait')
+  engine.start_update()
+  with pytest.raises(EngineError, match='cannot rebuild A') as refused:
+    engine.update(stripped)
+  assert refused.value.status == 400
+  assert {k: v.tobytes() for k, v in engine.master_weights().items()} == kept
+  with pytest.raises(ValueError, match='adaptive'):  # no seed derives this kind's A
+    encode(None)
+  with pytest.raises(ValueError, match=r'A has shape \(4, 3\)'):
+    encode({**a, names[0]: np.zeros((4, 3), np.float32)})

@@ -261,3 +261,21 @@ def test_fleet_generator_passes_rollout_blob_dir_and_timeouts(tmp_path, monkeypa
   assert blob_dir == str(tmp_path)
   assert timeouts == fleet.client_timeouts(cfg.rollout)
   assert (timeouts.connect_s, timeouts.generation_s) == (3.0, 42.0)
+
+
+@pytest.mark.slow
+def test_an_adaptive_subspace_syncs_low_rank_with_its_a(tmp_path):
+  """An adaptive A (optim.logra.subspace='adaptive', rebuilt every step here) is derivable
+  from no seed: each low-rank blob carries the A its step applied, and the generator serves
+  the trainer's weights to fp32 rounding after every step (its fingerprint, asked each step).
+  Seen failing with the blob's A derived from the seed instead (drift ~1e-2)."""
+  run = train(make_config(total_steps=3, eval_every=3, rollout__engine='http',
+                          rollout__launch=1, rollout__drift_check_every=1,
+                          optim__logra__subspace='adaptive',
+                          optim__logra__subspace_random_rows=8,
+                          optim__logra__refresh_every=1), tmp_path)
+  rows = [r for r in read_metrics(tmp_path) if r.get('step')]
+  assert len(rows) == 3 and all(r['skipped'] == 0 for r in rows)
+  assert all(r['sync_full'] == 0.0 and r['sync_servers'] == 1 for r in rows)
+  assert all(r['generator_drift'] < 1e-6 and r['generator_resyncs'] == 0 for r in rows)
+  assert run.cfg.optim.logra.subspace == 'adaptive'

@@ -133,21 +133,42 @@ def test_refresh_builds_the_next_a_from_the_gradient_times_the_moment(x64, setup
                                                    jax.tree.leaves(a_next)))
 
 
-def test_an_adaptive_step_refuses_the_low_rank_payload(setup):
-  """Generators rebuild A from (seed, step): an adaptive A is not derivable, so the step that
-  would return α·U for the low-rank payload is refused (the trainer syncs full weights)."""
-  model = setup[1]
-  opt = optimizers.logra_optimizer(OptimSection(logra=LograSection(momentum=0.9)), 10)
-  with pytest.raises(ValueError, match='sync full weights'):
-    steps.make_adaptive_logra_step(model, loss_config(), opt,
-                                   step_config(return_update=True), 1)
+def test_an_adaptive_step_returns_alpha_u_on_the_a_it_applied(x64, setup):
+  """With the low-rank payload on, both the step and the refresh also return α·U, and the
+  kernels moved by exactly Aᵀ(α·U) with A the one passed in (not the refresh's next A: the
+  generators get that one with the next step's blob). α·U travels as float32, so the float64
+  kernels' move matches it to float32 rounding (rtol 1e-6); a wrong A or α is off by O(1)."""
+  _, model, params, batch, a = setup
+  opt = optimizers.logra_optimizer(
+      OptimSection(logra=LograSection(learning_rate=1e-2, momentum=0.9)), 10)
+  state = opt.init(sketch.zero_probes(params, a))
+  step_fn, refresh_fn = steps.make_adaptive_logra_step(
+      model, loss_config(), opt, step_config(return_update=True), RANDOM_ROWS)
+  args = lambda: (copy(params), copy(state), batch, a, a, np.uint32(0))
+  budget = jnp.asarray(BUDGET, jnp.float64)
+  stepped = step_fn(*args(), budget, jax.random.key(0))
+  refreshed = refresh_fn(*args(), np.uint32(3), np.uint32(5), budget, jax.random.key(0))
+  assert len(stepped) == 4 and len(refreshed) == 5
+  before, fa = flat(params), flat(a)
+  for new_params, applied in ((stepped[0], stepped[-1]), (refreshed[0], refreshed[-1])):
+    moved, au = flat(new_params), flat(applied)
+    assert set(au) == set(fa)
+    for path, u in au.items():
+      want = np.einsum('lrk,lrd->lkd', np.asarray(fa[path], np.float64),
+                       np.asarray(u, np.float64))
+      np.testing.assert_allclose(np.asarray(moved[path]) - np.asarray(before[path]), want,
+                                 rtol=1e-6, atol=1e-6 * np.abs(want).max(), err_msg=str(path))
 
 
-def test_the_trainer_syncs_full_weights_with_an_adaptive_subspace():
+def test_the_trainer_syncs_low_rank_with_an_adaptive_subspace():
+  """An adaptive A travels in the payload (`sync.lowrank_blob(..., a_tree=)`): the low-rank
+  sync stays on; only the densely trained rest needs full weights."""
   from test_configs import config_dict  # pylint: disable=g-import-not-at-top
   from logra_jax.train import config as config_lib, methods  # pylint: disable=g-import-not-at-top
   sc = lambda **kw: methods._step_config(config_lib.from_config_dict(config_dict(
-      rollout__engine='http', rollout__launch=1, optim__logra__rest_learning_rate=0.0,
-      **kw)), 4)
+      rollout__engine='http', rollout__launch=1, **{
+          'optim__logra__rest_learning_rate': 0.0, **kw})), 4)
   assert sc().return_update                                   # the low-rank payload
-  assert not sc(optim__logra__subspace='adaptive').return_update  # full weights
+  assert sc(optim__logra__subspace='adaptive').return_update  # with its A
+  assert not sc(optim__logra__subspace='adaptive',
+                optim__logra__rest_learning_rate=1e-3).return_update  # full weights

@@ -211,6 +211,33 @@ def test_same_update_same_outputs_on_jax_and_vllm(server, tmp_path):
   np.testing.assert_allclose(logp_v, logp_j, rtol=0, atol=CROSS_ATOL)
 
 
+def test_an_adaptive_a_sent_in_the_blob_gives_the_same_outputs_on_jax_and_vllm(server,
+                                                                               tmp_path):
+  """An adaptive subspace's blob (kind 'adaptive': every A sent, none derivable from a seed)
+  on both engines: the update is seen (log-probs move by far more than CROSS_ATOL) and the
+  two serve the same greedy tokens, log-probs within CROSS_ATOL."""
+  url, weights, jax_server = server
+  names = _projection_names(weights, range(30))
+  rng = np.random.default_rng(3)
+  u = {n: (0.02 * weights[n].std() * rng.standard_normal((weights[n].shape[0], 4))
+           ).astype(np.float32) for n in names}
+  a = {n: rng.standard_normal((4, weights[n].shape[1])).astype(np.float32) for n in names}
+  outs, before = {}, _greedy(url)
+  for where in (url, jax_server):
+    base = _version(where)
+    blob = wire.encode_lowrank(u, {n: weights[n].shape[1] for n in names}, seed=0, step=0,
+                               kind='adaptive', base_version=base, new_version=int(base) + 1,
+                               projection=projection, projections=a)
+    status, out = _send(where, {'path': _write(tmp_path, blob, 'adaptive')},
+                        version=str(int(base) + 1))
+    assert status == 200, (where, out)
+    outs[where] = _greedy(where)
+  (tokens_v, logp_v), (tokens_j, logp_j) = outs[url], outs[jax_server]
+  assert tokens_v != before[0] or np.max(np.abs(logp_v - before[1])) > 100 * CROSS_ATOL
+  assert tokens_v == tokens_j
+  np.testing.assert_allclose(logp_v, logp_j, rtol=0, atol=CROSS_ATOL)
+
+
 def test_lowrank_then_negation_restores_logprobs(server, tmp_path):
   url, weights, _ = server
   names = _projection_names(weights, range(30))  # every projection weight: 210 tensors

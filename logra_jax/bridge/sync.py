@@ -45,12 +45,27 @@ def hf_shapes(config: ModelConfig) -> dict:
   return out
 
 
+def lowrank_projections(a_tree, config: ModelConfig) -> dict:
+  """{HF name: A (r, d_in)} from a kernel tree of stacked A (N, r, d_in): the projections a
+  step applied, for a low-rank blob that carries them (an adaptive subspace's)."""
+  name_fn = hf_io.projection_name_fn(config)
+  out = {}
+  for path, a in traverse_util.flatten_dict(jax.device_get(a_tree)).items():
+    for i, a_l in enumerate(np.asarray(a, np.float32)):
+      out[name_fn('/'.join(path), i)] = np.ascontiguousarray(a_l)
+  return out
+
+
 def lowrank_blob(u_tree, config: ModelConfig, *, seed: int, step: int, kind: str,
-                 base_version: int, new_version: int, u_dtype: str = 'fp32') -> bytes:
+                 base_version: int, new_version: int, u_dtype: str = 'fp32',
+                 a_tree=None) -> bytes:
+  """``a_tree`` (optional): the A the step applied, sent in the blob (`lowrank_projections`)
+  instead of derived from (seed, step, kind)."""
   factors, d_in = lowrank_factors(u_tree, config)
+  given = None if a_tree is None else lowrank_projections(a_tree, config)
   return wire.encode_lowrank(factors, d_in, seed=seed, step=step, kind=kind,
                              base_version=base_version, new_version=new_version,
-                             projection=projection, u_dtype=u_dtype)
+                             projection=projection, u_dtype=u_dtype, projections=given)
 
 
 class Mirror:

@@ -100,7 +100,8 @@ def encode_full(tensors: Mapping[str, np.ndarray], base_version, new_version) ->
 
 def encode_lowrank(factors: Mapping[str, np.ndarray], d_in: Mapping[str, int], *, seed: int,
                    step: int, kind: str, base_version, new_version, projection,
-                   u_dtype: str = 'fp32', send_a: bool = False) -> bytes:
+                   u_dtype: str = 'fp32', send_a: bool = False,
+                   projections: Optional[Mapping[str, np.ndarray]] = None) -> bytes:
   """A low-rank blob: per HF weight name, U (d_out, r) with W ← W + U @ A.
 
   Args:
@@ -110,6 +111,8 @@ def encode_lowrank(factors: Mapping[str, np.ndarray], d_in: Mapping[str, int], *
     projection: the module `logra_jax.sketch.projection` (numpy only).
     u_dtype: how U travels: fp32, bf16, fp8-e4m3 or int4 (the last two with per-row scales).
     send_a: also send every A explicitly (then the receiver needs no derivation).
+    projections: {HF name: A (r, d_in)} given instead of derived (an adaptive subspace's A,
+      which no (seed, step) rebuilds): each is sent, and its checksum is the given A's.
   """
   meta = {'format': FORMAT, 'kind': 'lowrank', 'base_version': _version(base_version),
           'new_version': _version(new_version), 'seed': str(int(seed)), 'step': str(int(step)),
@@ -119,11 +122,17 @@ def encode_lowrank(factors: Mapping[str, np.ndarray], d_in: Mapping[str, int], *
     if not is_projection_weight(name):
       raise ValueError(f'low-rank updates apply to projection weights '
                        f'(model.layers.N.self_attn|mlp.X.weight), got {name!r}')
-    a = projection.sample_projection(int(seed), int(step), name, u.shape[1], d_in[name], kind)
+    if projections is not None:
+      a = np.asarray(projections[name], np.float32)
+      if a.shape != (u.shape[1], d_in[name]):
+        raise ValueError(f'{name}: A has shape {a.shape}, not (r, d_in) = '
+                         f'{(u.shape[1], d_in[name])}')
+    else:
+      a = projection.sample_projection(int(seed), int(step), name, u.shape[1], d_in[name], kind)
     sums[name], ranks[name] = projection.projection_checksum(a), int(u.shape[1])
     for suffix, value in quant.quantize_u(u, u_dtype).items():
       tensors[f'{name}.U{suffix}'] = np.ascontiguousarray(value)
-    if send_a:
+    if send_a or projections is not None:
       tensors[f'{name}.A'] = np.ascontiguousarray(a, np.float32)
   meta['A_sha256'] = json.dumps(sums, sort_keys=True)
   meta['ranks'] = json.dumps(ranks, sort_keys=True)

@@ -109,7 +109,7 @@ class LograSection:
   refresh_every: int = 1    # ... every this many steps (A held in between)
   subspace: str = 'random'  # A at each refresh: 'random' (drawn from (seed, step)) |
   #   'adaptive' (built from the co-sketch G m^T of the refresh step, m the momentum:
-  #   docs/method.md section 13; needs momentum > 0; generators get full weights)
+  #   docs/method.md section 13; needs momentum > 0; the low-rank payload carries A)
   subspace_random_rows: int = 0  # adaptive: rows of A kept random (GoLore), of the rank
   momentum: float = 0.0     # sketch-space first moment of RowAdam's updates (0: off), carried
   #   across redraws of A as m <- A_new A_old+ m (needs rank_delta=0)

@@ -135,17 +135,18 @@ class FleetGenerator:
     return self.fleet.push(blob, version, full_blob=lambda: blob)
 
   def update_weights(self, params, version: int, update=None) -> dict:
-    """Sends step ``version``'s update (``update`` = (α·U tree, seed, step, kind), or None
-    for full weights); returns sync metrics, the drift included."""
+    """Sends step ``version``'s update (``update`` = (α·U tree, seed, step, kind[, A tree:
+    sent in the blob]), or None for full weights); returns sync metrics, the drift
+    included."""
     start = time.perf_counter()
     every = self.cfg.rollout.full_sync_every
     if update is None or (every and version % every == 0):
       stats, kind = self._full_sync(params, version), 1.0
     else:
-      u, seed, step, projection_kind = update
+      u, seed, step, projection_kind, *a = update
       blob = sync.lowrank_blob(u, self.config, seed=seed, step=step, kind=projection_kind,
                                base_version=self.fleet.version, new_version=version,
-                               u_dtype=self.cfg.rollout.u_dtype)
+                               u_dtype=self.cfg.rollout.u_dtype, a_tree=a[0] if a else None)
       stats = self.fleet.push(blob, version, full_blob=lambda: self._full_blob(params, version))
       kind = 0.0
     stats = dict(stats, sync_full=kind, sync_s=time.perf_counter() - start)
@@ -218,7 +219,8 @@ class FleetGenerator:
         stale.append(i)
     if stale:
       self.fleet.resync(stale, self._full_blob(params, self.fleet.version))
-    return {'generator_drift': max(drifts, default=float('nan')), 'generator_resyncs': float(len(stale)),
+    return {'generator_drift': max(drifts, default=float('nan')),
+            'generator_resyncs': float(len(stale)),
             'drift_check_s': time.perf_counter() - start}
 
   def close(self):

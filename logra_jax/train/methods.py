@@ -39,9 +39,9 @@ def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
   lg = o.logra  # its defaults for the dense methods (no KL control, no mask: unused there)
   # The low-rank payload carries the sketched kernels only: with a dense-trained rest
   # (optim.logra.rest_learning_rate) the generators get full weights (`Method.last_update`).
-  # So does an adaptive subspace: its A is not derivable from (seed, step).
+  # An adaptive subspace's A, which no (seed, step) rebuilds, travels in the payload.
   low_rank_sync = cfg.rollout.engine == 'http' and not (
-      o.name == 'logra' and (lg.rest_learning_rate or lg.subspace == 'adaptive'))
+      o.name == 'logra' and lg.rest_learning_rate)
   return steps.StepConfig(prompt_len, o.micro_batches, o.kl_sequences, lg.kl_control,
                           lg.kl_probe, lg.alpha_max, lg.sparse_mask,
                           return_update=low_rank_sync,
@@ -63,7 +63,8 @@ class Method:
   policy_params: Callable[[dict], Any]
   placement: Optional['Placement'] = None
   # The last step's low-rank update for the generators, (α·U tree, seed, step, projection
-  # kind), or None: send full weights (dense baselines, or an engine that needs none).
+  # kind[, A tree: sent in the payload, for an A no (seed, step) rebuilds]), or None: send
+  # full weights (dense baselines, or an engine that needs none).
   last_update: Callable[[], Any] = lambda: None
 
   def put_batch(self, batch):
@@ -205,6 +206,9 @@ def logra_method(cfg: TrainConfig, model, layout: Optional[parallel.Layout] = No
   return Method(init, step, lambda s: s['params'], pl, last_update=lambda: last[0])
 
 
+ADAPTIVE_KIND = 'adaptive'  # the payload's projection kind for an A sent, never derived
+
+
 def active_version(o, t: int) -> int:
   """An adaptive subspace's A at step t: the one built at the last refresh before t (A is
   built at steps T, 2T, … and used from the next step on; 0: the seed's A)."""
@@ -238,15 +242,22 @@ def _adaptive_logra_method(cfg: TrainConfig, model, pl: Placement, lt: LograTree
             state['projections'], state['prev_projections'], version)
     telemetry = steps.telemetry_at(cfg.optim.telemetry_every, t)
     step_fn, refresh_fn = get(prompt_len)
+    a = state['projections']  # what this step applies (not donated)
     if t % o.refresh_every:
-      params, opt_state, metrics = step_fn(*args, np.float32(budget), key, telemetry=telemetry)
-      return dict(state, params=params, opt_state=opt_state), metrics
-    params, opt_state, metrics, a_next = refresh_fn(
-        *args, np.uint32(cfg.seed), np.uint32(t), np.float32(budget), key, telemetry=telemetry)
-    return {'params': params, 'opt_state': opt_state, 'projections': a_next,
-            'prev_projections': state['projections']}, metrics
+      out = step_fn(*args, np.float32(budget), key, telemetry=telemetry)
+      new = dict(state, params=out[0], opt_state=out[1])
+    else:
+      out = refresh_fn(*args, np.uint32(cfg.seed), np.uint32(t), np.float32(budget), key,
+                       telemetry=telemetry)
+      out, a_next = out[:3] + out[4:], out[3]
+      new = {'params': out[0], 'opt_state': out[1], 'projections': a_next,
+             'prev_projections': a}
+    if len(out) == 4:  # α·U on a: the generators' low-rank payload carries a with it
+      last[0] = (out[3], cfg.seed, int(version), ADAPTIVE_KIND, a)
+    return new, out[2]
 
-  return Method(init, step, lambda s: s['params'], pl, last_update=lambda: None)
+  last = [None]
+  return Method(init, step, lambda s: s['params'], pl, last_update=lambda: last[0])
 
 
 def sketched_mask(abstract_params):

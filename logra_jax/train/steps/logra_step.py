@@ -47,7 +47,7 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   ``make_logra_step``'s step.
 
   ``coprojections`` (optional, B per kernel): the same backward also sums the co-sketches
-  G Bᵀ, returned as a fourth output (`make_adaptive_logra_step`'s refresh).
+  G Bᵀ, returned as a fourth output (`make_adaptive_logra_step`'s refresh), before α·U.
 
   ``rest_opt`` (optional; `optim.logra.rest_learning_rate`): the leaves LoGRA does not sketch
   (`sketch.rest_of`: embeddings, the head, norm scales) train densely with it, from the
@@ -121,12 +121,12 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
         predicted_kl=alpha**2 * q, kl_coefficient=q, alpha=alpha, kl_budget=budget,
         realized_kl=realized_kl, kl_telemetry=kl_probe.telemetry_metric(sc, telemetry),
         sketch_norm=optax.global_norm(s), skipped=1.0 - ok.astype(jnp.float32))
+    out = (new_params, new_opt_state, metrics)
     if coprojections is not None:
-      return new_params, new_opt_state, metrics, cosketches
-    if not sc.return_update:
-      return new_params, new_opt_state, metrics
-    applied = jax.tree.map(lambda x: jnp.where(ok, alpha * x, 0).astype(jnp.float32), u)
-    return new_params, new_opt_state, metrics, applied
+      out += (cosketches,)
+    if sc.return_update:
+      out += (jax.tree.map(lambda x: jnp.where(ok, alpha * x, 0).astype(jnp.float32), u),)
+    return out
 
   return update
 
@@ -208,12 +208,10 @@ def make_adaptive_logra_step(model, loss_cfg, opt: optax.GradientTransformationE
       step, (…, R, D)), and the next A from them (`sketch.adaptive_projection`: R −
       ``random_rows`` rows from C, ``random_rows`` random ones keyed by (seed, t)). A
       skipped step, or a non-finite C, keeps A.
-  The generators cannot rebuild such an A from a seed: the trainer syncs full weights
-  (``sc.return_update`` is refused).
+  With ``sc.return_update`` both also return α·U last, the applied update's factor on ``a``
+  (not ``a_next``): no (seed, step) rebuilds such an A, so the low-rank payload carries it
+  (`sync.lowrank_blob(..., a_tree=a)`).
   """
-  if sc.return_update:
-    raise ValueError('make_adaptive_logra_step: return_update: the low-rank payload rebuilds A '
-                     'from (seed, step); an adaptive A is not derivable, sync full weights')
   update = logra_update_fn(model, loss_cfg, opt, sc, sh, rest_opt)
   basis = lambda a, a_prev, version: dict(
       basis=version, basis_change=lambda old: sketch.basis_transfer(a, a_prev))
@@ -224,9 +222,9 @@ def make_adaptive_logra_step(model, loss_cfg, opt: optax.GradientTransformationE
 
   def refresh(params, opt_state, batch, a, a_prev, version, seed, t, budget, key, telemetry):
     m = sketch_momentum_of(opt_state[0] if rest_opt is not None else opt_state)
-    new_params, new_opt_state, metrics, c = update(
-        params, opt_state, batch, a, budget, key, telemetry, coprojections=m,
-        **basis(a, a_prev, version))
+    out = update(params, opt_state, batch, a, budget, key, telemetry, coprojections=m,
+                 **basis(a, a_prev, version))
+    new_params, new_opt_state, metrics, c = out[:4]
     base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), t), ADAPTIVE_SALT)
     flat_c, flat_a = traverse_util.flatten_dict(c), traverse_util.flatten_dict(a)
     nxt = {p: sketch.adaptive_projection(flat_c[p], jax.random.fold_in(base, i),
@@ -236,15 +234,16 @@ def make_adaptive_logra_step(model, loss_cfg, opt: optax.GradientTransformationE
     nxt = traverse_util.unflatten_dict(nxt)
     keep = (metrics['skipped'] == 0) & all_finite(nxt)
     nxt = jax.tree.map(lambda n, o: jnp.where(keep, n, o), nxt, a)
-    return new_params, new_opt_state, metrics, nxt
+    return (new_params, new_opt_state, metrics, nxt) + out[4:]
 
   if sh is None:
     jit = lambda f: jax.jit(f, donate_argnums=(0, 1))
   else:
     r = sh.replicated
+    applied = (sh.accum,) if sc.return_update else ()
     jit = lambda f, n_in, outs: jax.jit(
         f, donate_argnums=(0, 1), in_shardings=(sh.params, sh.opt_state, sh.batch) + (r,) * n_in,
-        out_shardings=outs)
+        out_shardings=outs + applied)
     return (kl_probe.with_telemetry_flag(jit(step, 6, (sh.params, sh.opt_state, r))),
             kl_probe.with_telemetry_flag(jit(refresh, 8, (sh.params, sh.opt_state, r, r))))
   return (kl_probe.with_telemetry_flag(jit(step)), kl_probe.with_telemetry_flag(jit(refresh)))
