@@ -268,7 +268,7 @@ def test_an_adaptive_subspace_syncs_low_rank_with_its_a(tmp_path):
   """An adaptive A (optim.logra.subspace='adaptive', rebuilt every step here) is derivable
   from no seed: each low-rank blob carries the A its step applied, and the generator serves
   the trainer's weights to fp32 rounding after every step (its fingerprint, asked each step).
-  Seen failing with the blob's A derived from the seed instead (drift ~1e-2)."""
+  Seen failing (the drift check) with the blob's A derived from the seed instead."""
   run = train(make_config(total_steps=3, eval_every=3, rollout__engine='http',
                           rollout__launch=1, rollout__drift_check_every=1,
                           optim__logra__subspace='adaptive',

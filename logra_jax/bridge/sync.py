@@ -21,13 +21,17 @@ def full_blob(params, config: ModelConfig, base_version: int, new_version: int) 
   return wire.encode_full(tensors, base_version, new_version)
 
 
+def _per_layer(tree, config: ModelConfig) -> dict:
+  """{HF name: layer l's float32 slice} of a kernel tree of layer-stacked (N, r, ·) leaves."""
+  name_fn = hf_io.projection_name_fn(config)
+  return {name_fn('/'.join(path), i): x_l
+          for path, x in traverse_util.flatten_dict(jax.device_get(tree)).items()
+          for i, x_l in enumerate(np.asarray(x, np.float32))}
+
+
 def lowrank_factors(u_tree, config: ModelConfig) -> tuple[dict, dict]:
   """({HF name: U (d_out, r)}, {HF name: d_in}) from the step's α-scaled (N, r, d_out) tree."""
-  name_fn = hf_io.projection_name_fn(config)
-  factors = {}
-  for path, u in traverse_util.flatten_dict(jax.device_get(u_tree)).items():
-    for i, u_l in enumerate(np.asarray(u, np.float32)):
-      factors[name_fn('/'.join(path), i)] = np.ascontiguousarray(u_l.T)
+  factors = {n: np.ascontiguousarray(u_l.T) for n, u_l in _per_layer(u_tree, config).items()}
   d_in = {name: shape[1] for name, shape in hf_shapes(config).items() if name in factors}
   return factors, d_in
 
@@ -48,12 +52,7 @@ def hf_shapes(config: ModelConfig) -> dict:
 def lowrank_projections(a_tree, config: ModelConfig) -> dict:
   """{HF name: A (r, d_in)} from a kernel tree of stacked A (N, r, d_in): the projections a
   step applied, for a low-rank blob that carries them (an adaptive subspace's)."""
-  name_fn = hf_io.projection_name_fn(config)
-  out = {}
-  for path, a in traverse_util.flatten_dict(jax.device_get(a_tree)).items():
-    for i, a_l in enumerate(np.asarray(a, np.float32)):
-      out[name_fn('/'.join(path), i)] = np.ascontiguousarray(a_l)
-  return out
+  return {n: np.ascontiguousarray(a_l) for n, a_l in _per_layer(a_tree, config).items()}
 
 
 def lowrank_blob(u_tree, config: ModelConfig, *, seed: int, step: int, kind: str,
