@@ -10,6 +10,9 @@ already hold the held-out evaluation of its last step is skipped, an unfinished 
 from its checkpoint, so a study grows across invocations (`--max_runs` bounds one). Runs go
 seed by seed (every arm's seed 0, then every arm's seed 1, ...): a partial study is balanced.
 `--arms=A,B` trains only those arms now (the report still covers every finished run).
+`--jobs=N` trains N runs at once, each its own process, in that order (a machine with more
+cores than one run uses, or one GPU that several runs share: docs/gpu_study.md); a failed
+run stops none of the others, and the invocation fails after all have ended.
 
 A study can also grow across machines: `--prior=RESULTS_JSON` (an earlier invocation's
 results.json of the same task, e.g. the copy in docs/runs/) counts its runs as finished
@@ -30,6 +33,7 @@ with s.e. bands) from every finished run:
             memory_seq tokens per row).
 s.e. = sample standard deviation (ddof 1) / sqrt(n); None where n < 2.
 """
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -54,6 +58,7 @@ def define_flags():
   flags.DEFINE_integer('max_runs', 0, 'Train at most this many runs now (0: all).')
   flags.DEFINE_bool('report_only', False, 'Only aggregate the finished runs.')
   flags.DEFINE_list('arms', [], 'Train only these arms now (default: every arm).')
+  flags.DEFINE_integer('jobs', 1, 'Runs trained at once, each its own process.')
   flags.DEFINE_string('prior', None, "An earlier results.json of the task: its runs count "
                       "as finished where the workdir has none (arms defined as now only).")
   flags.mark_flags_as_required(['config', 'workdir'])
@@ -229,6 +234,26 @@ def arms_to_train(study: dict, names) -> list:
   return [a for a in study['arms'] if not names or a in names]
 
 
+def pending_runs(study: dict, arms: list, is_done, max_runs: int = 0) -> list:
+  """[(arm, seed)] still to train, seed by seed in the study's arm order, at most
+  ``max_runs`` (0: all); ``is_done(arm, seed)`` says a run is finished (here or in a prior)."""
+  todo = [(arm, seed) for seed in study['seeds'] for arm in arms if not is_done(arm, seed)]
+  return todo[:max_runs] if max_runs else todo
+
+
+def train_runs(jobs: list, workers: int, train_one) -> None:
+  """``train_one(arm, seed)`` for each of ``jobs``, ``workers`` at a time, in order; every
+  run ends (a failure stops no other) before the failures, if any, are raised together."""
+  if workers < 1:
+    raise ValueError(f'--jobs must be >= 1, got {workers}')
+  with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+    futures = [(job, pool.submit(train_one, *job)) for job in jobs]
+  failed = [(job, f.exception()) for job, f in futures if f.exception() is not None]
+  if failed:
+    raise RuntimeError(f'{len(failed)} of {len(jobs)} run(s) failed:\n' +
+                       '\n'.join(f'{arm} seed {seed}: {e}' for (arm, seed), e in failed))
+
+
 def memory_figures(cfgs: dict, seq) -> dict:
   """`memory_plan.step_figures` of each arm's config (one device, compiled, never run) on
   its step's batch of prompts x samples rows of ``seq`` tokens."""
@@ -335,17 +360,13 @@ def main(argv):
   total = {arm: c.total_steps for arm, c in cfgs.items()}
   done = 0
   if not report_only:
-    for seed in study['seeds']:
-      for arm in train_arms:
-        d = run_dir(workdir, arm, seed)
-        if (seed in prior.get(arm, {}) or
-            finished_runs(workdir, {'arms': [arm], 'seeds': [seed]}, total, path, task)[arm]):
-          continue
-        if max_runs and done >= max_runs:
-          break
-        train_run(command(path, task, arm, seed, workdir), d,
-                  os.path.join(workdir, 'xla_cache'), print)
-        done += 1
+    is_done = lambda arm, seed: bool(seed in prior.get(arm, {}) or finished_runs(
+        workdir, {'arms': [arm], 'seeds': [seed]}, total, path, task)[arm])
+    todo = pending_runs(study, train_arms, is_done, max_runs)
+    train_runs(todo, flags.FLAGS.jobs, lambda arm, seed: train_run(
+        command(path, task, arm, seed, workdir), run_dir(workdir, arm, seed),
+        os.path.join(workdir, 'xla_cache'), print))
+    done = len(todo)
   runs = merge_runs(finished_runs(workdir, study, total, path, task), prior)
   results = aggregate(runs, study['reference_arms'])
   results.update(task=task, study={k: v for k, v in study.items()},

@@ -4,13 +4,15 @@ The smoke study (configs/compare_methods.py:smoke: 2 arms x 2 seeds x 3 steps, e
 ordinary train.py run in a subprocess) is run end to end, then every figure of its
 results.json is recomputed here by hand from the runs' own metrics.jsonl: the curves, final
 and best pass@1, the means and s.e.s, the paired differences to the reference arm. A second
-invocation trains nothing (finished runs are skipped) and reports the same numbers.
+invocation trains nothing (finished runs are skipped) and reports the same numbers. The
+first invocation trains two runs at a time (--jobs=2), as a study on one GPU does.
 """
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -133,6 +135,40 @@ def test_arms_to_train_keeps_the_study_order_and_refuses_unknown_arms():
     compare_methods.arms_to_train(study, ['nope'])
 
 
+def test_pending_runs_go_seed_by_seed_skip_finished_and_stop_at_max_runs():
+  study = {'seeds': [0, 1]}
+  done = {('a', 0)}
+  is_done = lambda arm, seed: (arm, seed) in done
+  assert compare_methods.pending_runs(study, ['a', 'b'], is_done) == [('b', 0), ('a', 1),
+                                                                       ('b', 1)]
+  assert compare_methods.pending_runs(study, ['a', 'b'], is_done, 2) == [('b', 0), ('a', 1)]
+  assert compare_methods.pending_runs(study, ['b'], is_done) == [('b', 0), ('b', 1)]
+
+
+def test_train_runs_runs_jobs_at_once_and_reports_every_failure():
+  """Two workers: the two runs meet at a barrier (a sequential loop would time out there);
+  a failing run stops none of the others, and the error names each failure."""
+  barrier, ran = threading.Barrier(2, timeout=20), []
+
+  def together(arm, seed):
+    barrier.wait()
+    ran.append((arm, seed))
+  compare_methods.train_runs([('a', 0), ('b', 0)], 2, together)
+  assert sorted(ran) == [('a', 0), ('b', 0)]
+
+  ran.clear()
+
+  def some_fail(arm, seed):
+    ran.append((arm, seed))
+    if arm == 'bad':
+      raise RuntimeError(f'train.py failed in {arm}/{seed}')
+  with pytest.raises(RuntimeError, match=r'(?s)2 of 3 run\(s\) failed.*bad seed 0.*bad seed 1'):
+    compare_methods.train_runs([('bad', 0), ('ok', 0), ('bad', 1)], 1, some_fail)
+  assert ran == [('bad', 0), ('ok', 0), ('bad', 1)]  # one worker: in order, none skipped
+  with pytest.raises(ValueError, match='--jobs must be >= 1'):
+    compare_methods.train_runs([], 0, some_fail)
+
+
 # ------------------------------------------------------------------- the smoke study
 
 @pytest.fixture(scope='module')
@@ -142,7 +178,8 @@ def smoke(tmp_path_factory):
          f"--config={os.path.join(ROOT, 'configs', 'compare_methods.py')}:smoke",
          f'--workdir={workdir}']
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
-  out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+  out = subprocess.run(cmd + ['--jobs=2'], capture_output=True, text=True, cwd=ROOT, env=env,
+                       check=False)
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
   assert again.returncode == 0, again.stderr[-3000:]
