@@ -38,7 +38,9 @@ with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate); (se
 `logra_m0.95_T100_rest_adam` and `_adafactor`, the default with Adam's per-entry scaling in
 sketch space or its row x column factorisation (optim.logra.sketch_optimizer), and
 `logra_m0.95_T100_rest_adaptive`, the default with an adaptive subspace (optim.logra.subspace),
-on seeds 0-2 and, in tiny_confirm, 3-5.
+on seeds 0-2 and, in tiny_confirm, 3-5. SmolLM2 (session 18): `logra_m0.95_T10_rest_adaptive`,
+the adaptive subspace at SmolLM2's small r/K with A rebuilt every 10 steps (T100 never
+redraws A in a 50-step run), and `logra_m0.95_T10_rest`, the same with a random A, its control.
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -139,6 +141,15 @@ def ablation(arg=None) -> dict:
     # state + gradient ~0.24x AdamW's, under the issue's 0.25x.
     arms['logra_m0.95_T100_rest'] = dict(arms['logra_m0.95_T100'],
                                          **{'optim.logra.rest_learning_rate': 1e-5})
+    # Session 18, before any of their runs: the adaptive subspace where r/K is small (32 of
+    # 576; tiny's 64 of 128 gained nothing), A rebuilt from G m^T every 10 steps with 4 of its
+    # 32 rows random (tiny's 1/8); T100 holds A for the whole 50-step run, so T10 with a
+    # random A is its control.
+    for kind in ('adaptive', 'random'):
+      arms[f"logra_m0.95_T10_rest{'_adaptive' if kind == 'adaptive' else ''}"] = dict(
+          arms['logra_m0.95_T100_rest'], **{'optim.logra.refresh_every': 10},
+          **({'optim.logra.subspace': 'adaptive', 'optim.logra.subspace_random_rows': 4}
+             if kind == 'adaptive' else {}))
     arms['adam_sketched'] = arms.pop('adam_sketched')  # last: a seed's runs reach the goal's
                                                        # arms first (~40 min a run on the CPU)
   if task == 'smoke':
