@@ -73,15 +73,17 @@ run() {
   python3 experiments/compare_methods.py --config="configs/compare_methods.py:${TASK:-smollm2}" \
     --workdir=$work --jobs="${JOBS:-9}" ${ARMS:+--arms=$ARMS} > /tmp/study.log 2>&1 &
   local study=$! out=${OUT:-$work}
-  pack_runs() { (cd $work && find runs -name metrics.jsonl -o -name compare_wall.json \
-    -o -name train.log | tar czf "$out/runs.tgz.tmp" -T - && mv "$out/runs.tgz.tmp" \
-    "$out/runs.tgz") 2>/dev/null; }
+  pack_runs() {  # nothing to pack (no run has written metrics yet): nothing written
+    (cd $work && { find runs -name metrics.jsonl -o -name compare_wall.json -o -name train.log
+      ls results.json results.md; } > /tmp/pack.list 2>/dev/null
+     [ -s /tmp/pack.list ] && tar czf "$out/runs.tgz.tmp" -T /tmp/pack.list \
+       && mv "$out/runs.tgz.tmp" "$out/runs.tgz"); }
   while kill -0 $study 2>/dev/null && [ $(( $(date +%s) - t0 )) -lt "${LIMIT:-540}" ]; do
     sleep 20; pack_runs
     echo "t=$(( $(date +%s) - t0 ))s $(cd $work 2>/dev/null && for f in runs/*/seed*/metrics.jsonl
       do [ -f "$f" ] && printf '%s:%s ' "${f#runs/}" "$(grep -c eval_accuracy "$f")"; done)"
   done
-  pkill -f experiments/train.py; kill $study 2>/dev/null; sleep 1; pack_runs
+  pkill -P $study; kill $study 2>/dev/null; sleep 1; pack_runs  # its train.py runs, then it
   tail -c 3000 /tmp/study.log; nvidia-smi --query-gpu=memory.used --format=csv
 }
 
