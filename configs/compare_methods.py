@@ -145,11 +145,10 @@ def ablation(arg=None) -> dict:
     # 576; tiny's 64 of 128 gained nothing), A rebuilt from G m^T every 10 steps with 4 of its
     # 32 rows random (tiny's 1/8); T100 holds A for the whole 50-step run, so T10 with a
     # random A is its control.
-    for kind in ('adaptive', 'random'):
-      arms[f"logra_m0.95_T10_rest{'_adaptive' if kind == 'adaptive' else ''}"] = dict(
-          arms['logra_m0.95_T100_rest'], **{'optim.logra.refresh_every': 10},
-          **({'optim.logra.subspace': 'adaptive', 'optim.logra.subspace_random_rows': 4}
-             if kind == 'adaptive' else {}))
+    t10 = dict(arms['logra_m0.95_T100_rest'], **{'optim.logra.refresh_every': 10})
+    arms['logra_m0.95_T10_rest_adaptive'] = dict(t10, **{'optim.logra.subspace': 'adaptive',
+                                                        'optim.logra.subspace_random_rows': 4})
+    arms['logra_m0.95_T10_rest'] = t10
     arms['adam_sketched'] = arms.pop('adam_sketched')  # last: a seed's runs reach the goal's
                                                        # arms first (~40 min a run on the CPU)
   if task == 'smoke':
