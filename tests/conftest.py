@@ -30,6 +30,7 @@ HEAVY_FILES = {
     # Session 12's files, timed alone on a loaded machine (halved): the parity study's smoke
     # runs (4 train.py runs, twice invoked), the probe's float64 tests, the fault runs.
     'test_compare_methods.py': 180, 'test_direction_quality.py': 130, 'test_faults.py': 200,
+    'test_gpu_study.py': 50,  # session 19: gpu_measure.sh's tiny run
 }
 
 
