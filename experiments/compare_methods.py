@@ -1,7 +1,8 @@
 r"""The parity study: named arms x seeds, each an ordinary, resumable train.py run (issue 23).
 
   python experiments/compare_methods.py --config=configs/compare_methods.py:tiny \
-      --workdir=runs/compare_methods_tiny [--max_runs=N] [--report_only]
+      --workdir=runs/compare_methods_tiny [--arms=A,B] [--seeds=0,1] [--max_runs=N] \
+      [--jobs=N] [--prior=RESULTS_JSON] [--report_only]
 
 The arms, seeds and held-out sets are the config's `ablation(TASK)`, fixed before any run.
 Run (arm, seed) is `experiments/train.py --config=configs/compare_methods.py:TASK/ARM
@@ -9,7 +10,8 @@ Run (arm, seed) is `experiments/train.py --config=configs/compare_methods.py:TAS
 already hold the held-out evaluation of its last step is skipped, an unfinished one resumes
 from its checkpoint, so a study grows across invocations (`--max_runs` bounds one). Runs go
 seed by seed (every arm's seed 0, then every arm's seed 1, ...): a partial study is balanced.
-`--arms=A,B` trains only those arms now (the report still covers every finished run).
+`--arms=A,B` trains only those arms now, `--seeds=0,1` only those of the study's seeds (the
+report still covers every finished run).
 `--jobs=N` trains N runs at once, each its own process, in that order (a machine with more
 cores than one run uses, or one GPU that several runs share: docs/gpu_study.md); a failed
 run stops none of the others, and the invocation fails after all have ended.
@@ -60,6 +62,7 @@ def define_flags():
   flags.DEFINE_integer('max_runs', 0, 'Train at most this many runs now (0: all).')
   flags.DEFINE_bool('report_only', False, 'Only aggregate the finished runs.')
   flags.DEFINE_list('arms', [], 'Train only these arms now (default: every arm).')
+  flags.DEFINE_list('seeds', [], "Train only these of the study's seeds now (default: all).")
   flags.DEFINE_integer('jobs', 1, 'Runs trained at once, each its own process.')
   flags.DEFINE_string('prior', None, "An earlier results.json of the task: its runs count "
                       "as finished where the workdir has none (arms defined as now only).")
@@ -273,10 +276,25 @@ def arms_to_train(study: dict, names) -> list:
   return [a for a in study['arms'] if not names or a in names]
 
 
-def pending_runs(study: dict, arms: list, is_done, max_runs: int = 0) -> list:
-  """[(arm, seed)] still to train, seed by seed in the study's arm order, at most
-  ``max_runs`` (0: all); ``is_done(arm, seed)`` says a run is finished (here or in a prior)."""
-  todo = [(arm, seed) for seed in study['seeds'] for arm in arms if not is_done(arm, seed)]
+def seeds_to_train(study: dict, names) -> list:
+  """The study's seeds in its order, or only ``names`` (each must be one of them)."""
+  try:
+    asked = [int(n) for n in names]
+  except ValueError as e:
+    raise ValueError(f'--seeds: integers, got {list(names)}') from e
+  unknown = [n for n in asked if n not in study['seeds']]
+  if unknown:
+    raise ValueError(f'--seeds: not seeds of this study {unknown} (seeds: '
+                     f'{list(study["seeds"])})')
+  return [s for s in study['seeds'] if not asked or s in asked]
+
+
+def pending_runs(study: dict, arms: list, is_done, max_runs: int = 0, seeds=None) -> list:
+  """[(arm, seed)] still to train, seed by seed in the study's arm order, over ``seeds``
+  (default: the study's), at most ``max_runs`` (0: all); ``is_done(arm, seed)`` says a run is
+  finished (here or in a prior)."""
+  seeds = study['seeds'] if seeds is None else seeds
+  todo = [(arm, seed) for seed in seeds for arm in arms if not is_done(arm, seed)]
   return todo[:max_runs] if max_runs else todo
 
 
@@ -406,6 +424,7 @@ def main(argv):
   workdir = os.path.abspath(flags.FLAGS.workdir)
   max_runs, report_only = flags.FLAGS.max_runs, flags.FLAGS.report_only
   train_arms = arms_to_train(study, flags.FLAGS.arms)
+  train_seeds = seeds_to_train(study, flags.FLAGS.seeds)
   from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   module = _load(path)
   cfgs = {arm: config_lib.from_config_dict(module.get_config(f'{task}/{arm}'))
@@ -421,7 +440,7 @@ def main(argv):
   if not report_only:
     is_done = lambda arm, seed: bool(seed in prior.get(arm, {}) or finished_runs(
         workdir, {'arms': [arm], 'seeds': [seed]}, total, path, task)[arm])
-    todo = pending_runs(study, train_arms, is_done, max_runs)
+    todo = pending_runs(study, train_arms, is_done, max_runs, train_seeds)
     train_runs(todo, flags.FLAGS.jobs, lambda arm, seed: train_run(
         command(path, task, arm, seed, workdir), run_dir(workdir, arm, seed),
         os.path.join(workdir, 'xla_cache'), print))

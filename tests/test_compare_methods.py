@@ -183,6 +183,19 @@ def test_pending_runs_go_seed_by_seed_skip_finished_and_stop_at_max_runs():
                                                                        ('b', 1)]
   assert compare_methods.pending_runs(study, ['a', 'b'], is_done, 2) == [('b', 0), ('a', 1)]
   assert compare_methods.pending_runs(study, ['b'], is_done) == [('b', 0), ('b', 1)]
+  assert compare_methods.pending_runs(study, ['a', 'b'], is_done, seeds=[1]) == [('a', 1),
+                                                                              ('b', 1)]
+  assert compare_methods.pending_runs(study, ['a', 'b'], is_done, 1, [1]) == [('a', 1)]
+
+
+def test_seeds_to_train_keeps_the_study_order_and_refuses_other_seeds():
+  study = {'seeds': [3, 4, 5]}
+  assert compare_methods.seeds_to_train(study, []) == [3, 4, 5]
+  assert compare_methods.seeds_to_train(study, ['5', '3']) == [3, 5]
+  with pytest.raises(ValueError, match=r"not seeds of this study \[0\]"):
+    compare_methods.seeds_to_train(study, ['0'])
+  with pytest.raises(ValueError, match='--seeds: integers'):
+    compare_methods.seeds_to_train(study, ['one'])
 
 
 def test_train_runs_runs_jobs_at_once_and_reports_every_failure():
