@@ -38,9 +38,11 @@ with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate); (se
 `logra_m0.95_T100_rest_adam` and `_adafactor`, the default with Adam's per-entry scaling in
 sketch space or its row x column factorisation (optim.logra.sketch_optimizer), and
 `logra_m0.95_T100_rest_adaptive`, the default with an adaptive subspace (optim.logra.subspace),
-on seeds 0-2 and, in tiny_confirm, 3-5. SmolLM2 (session 18): `logra_m0.95_T10_rest_adaptive`,
-the adaptive subspace at SmolLM2's small r/K with A rebuilt every 10 steps (T100 never
-redraws A in a 50-step run), and `logra_m0.95_T10_rest`, the same with a random A, its control.
+on seeds 0-2 and, in tiny_confirm, 3-5; (session 21) `logra_m0.95_T100_rest_exact`, the
+default on the exact gradient (rank = d_in, orthogonal rows), a diagnostic. SmolLM2
+(session 18): `logra_m0.95_T10_rest_adaptive`, the adaptive subspace at SmolLM2's small r/K
+with A rebuilt every 10 steps (T100 never redraws A in a 50-step run), and
+`logra_m0.95_T10_rest`, the same with a random A, its control.
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -134,6 +136,15 @@ def ablation(arg=None) -> dict:
     arms['logra_m0.95_T100_rest_adaptive'] = dict(
         arms['logra_m0.95_T100_rest'], **{'optim.logra.subspace': 'adaptive',
                                           'optim.logra.subspace_random_rows': 8})
+    # Session 21, before its runs, on seeds 0-2 here and 3-5 in tiny_confirm: a diagnostic,
+    # not a candidate. The default on the exact gradient (rank = d_in, orthogonal rows, so
+    # A^T A = I with A held 100 steps): what is left of its gap to AdamW is then RowAdam's
+    # (one scale per output unit) and the budget's, not the rank-64 subspace's. logra_exact
+    # made that split without momentum or the rest.
+    arms['logra_m0.95_T100_rest_exact'] = dict(
+        arms['logra_m0.95_T100_rest'], **{'optim.logra.projection': 'orthogonal',
+                                          'optim.logra.rank': 128,
+                                          'optim.logra.rank_rules': 'down_proj=256'})
   if task == 'smollm2':  # tiny's best lever (tiny.py's default since session 14), before any run
     arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
     # Session 15, before its runs: with the unsketched leaves (the tied embedding, norm scales)
@@ -170,7 +181,8 @@ def ablation(arg=None) -> dict:
             f'adam_lr{lrs[1]:g}': arms[f'adam_lr{lrs[1]:g}'],
             **{a: arms[a] for a in ('logra_m0.95_T100_rest_adam',      # session 16
                                     'logra_m0.95_T100_rest_adafactor',
-                                    'logra_m0.95_T100_rest_adaptive')}}
+                                    'logra_m0.95_T100_rest_adaptive',
+                                    'logra_m0.95_T100_rest_exact')}}  # session 21
     seeds = (3, 4, 5)
   # Issue 23 states the SmolLM2 goal at steps 30 and 50; tiny's at the last step (final).
   report_steps = {'smollm2': (30, 50), 'smoke': (2,)}.get(task, ())
