@@ -1,7 +1,7 @@
 """Our side of bench_vs_trl: the trainer's own steps, timed by span; run by
 experiments/bench_vs_trl.py, one fresh process per run.
 
-  python experiments/bench_ours_worker.py --config=configs/smollm2_rg.py --workdir=DIR \
+  python experiments/bench_ours_worker.py --config=configs/smollm2_rg.py:paper --workdir=DIR \
       --out=RESULT.json [--config.KEY=VALUE ...]
 
 Builds `loop.Trainer` from the config (bench_vs_trl points data.path at its prompts file) and

@@ -207,6 +207,9 @@ def run_trl(python, model_dir, prompts, order, out, args, checkpointing: bool) -
 # Our dense-AdamW arm: configs/smollm2_rg.py:adam with TRL's AdamW (lr 1e-6, b2 0.999, global
 # norm clipping at 1.0, no weight decay) on all params.
 ADAM_VARIANT = 'adam'
+# Our LoGRA arm: the paper's rule (smollm2_rg.py's default until session 22; every recorded
+# figure ran with it), not the parity study's pick that is the default now.
+LOGRA_VARIANT = 'paper'
 ADAM_FLAGS = ('optim.adam.learning_rate=1e-6', 'optim.adam.b2=0.999',
               'optim.adam.max_grad_norm=1.0', 'optim.adam.weight_decay=0.0')
 
@@ -219,7 +222,7 @@ def arm_overrides(arm: dict) -> tuple:
 
 
 def ours_flags(args, run_dir, prompts, eval_prompts, remat='none', extra=(), model_dir=None,
-               variant='') -> list:
+               variant=LOGRA_VARIANT) -> list:
   """bench_ours_worker.py's flags: configs/smollm2_rg.py on the prompts file, with the
   workload's batch, sampling and remat policy (on the HF directory ``model_dir`` where given,
   else the config's GGUF)."""
@@ -314,7 +317,7 @@ def run_round(i, args, python, model_dir, prompts, eval_prompts, order, log: lis
     else:
       flags = ours_flags(args, os.path.join(args.workdir, f"round{i}_{arm['name']}"), prompts,
                          eval_prompts, arm['remat_policy'], arm_overrides(arm), ours_model,
-                         ADAM_VARIANT if arm['adam'] else '')
+                         ADAM_VARIANT if arm['adam'] else LOGRA_VARIANT)
       raw = run_ours(result, flags)
     out[arm['name']] = dict(summarize(raw, args.skip_steps), **{
         k: raw[k] for k in ('gradient_checkpointing', 'remat_policy', 'micro_batches')

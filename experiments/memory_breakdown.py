@@ -77,8 +77,8 @@ def apply_sets(cfg, sets):
 def make_config(args, method: str) -> config_lib.TrainConfig:
   from configs import smollm2_rg, tiny  # pylint: disable=g-import-not-at-top
   if args.model == 'smollm2':
-    cfg = smollm2_rg.get_config('adam' if method == 'dense' else None)
-  else:  # the paper's LoGRA (no momentum), as configs/smollm2_rg.py's
+    cfg = smollm2_rg.get_config('adam' if method == 'dense' else 'paper')
+  else:  # the paper's LoGRA (no momentum), as configs/smollm2_rg.py:paper's
     cfg = tiny.get_config('paper')
   if method == 'dense' and cfg.optim.name != 'adam':
     config_lib.switch_method(cfg, 'adam')

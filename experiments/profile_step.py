@@ -1,6 +1,6 @@
 """A timer per phase of the trainer's step: which part of a step to make faster (issue 25).
 
-  python experiments/profile_step.py --config=configs/smollm2_rg.py --workdir=DIR \
+  python experiments/profile_step.py --config=configs/smollm2_rg.py:paper --workdir=DIR \
       [--batches=3] [--reps=3] [--variant=NAME:KEY=VALUE,KEY=VALUE ...]
 
 Builds `loop.Trainer` from the config (no warm start, no evaluation), collects `--batches`

@@ -24,9 +24,9 @@ from logra_jax.train.config import from_config_dict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, 'configs', '*.py')))
 PAPER = ('qwen2_5_math_1_5b', 'qwen2_5_math_7b', 'paper_27b_reasoning_gym')
-VARIANTS = {'smollm2_rg': ('smoke', 'adam', 'vllm'), 'qwen2_5_math_1_5b': ('adam',),
+VARIANTS = {'smollm2_rg': ('smoke', 'adam', 'paper', 'vllm'), 'qwen2_5_math_1_5b': ('adam',),
             'qwen2_5_math_7b': ('adam',), 'tiny': ('fleet', 'adam', 'paper'),
-            'compare_methods': ('tiny', 'smollm2', 'smoke')}
+            'compare_methods': ('tiny', 'tiny_confirm', 'smollm2', 'smollm2_confirm', 'smoke')}
 
 
 def _name(path):
@@ -91,6 +91,50 @@ def test_smollm2_config():
   assert cfg.optim.logra.kl_control
   # The README's learning curve: greedy pass@1 on 128 held-out problems every 10 steps.
   assert cfg.data.eval_size >= 128 and cfg.eval.temperature == 0 and cfg.eval_every == 10
+
+
+# What compare_methods.py's tasks set on top of the task config: the held-out set, greedy or
+# sampled evaluation, the run's length (tiny's smoke task also its batch).
+_STUDY_KEYS = ('data.eval_size', 'eval.', 'total_steps', 'eval_every', 'checkpoint_every')
+
+
+def _flat(d, prefix=''):
+  """A config dict's leaves by dotted key, the study's own keys left out."""
+  out = {}
+  for key, value in d.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f'{prefix}{key}.'))
+    elif not f'{prefix}{key}'.startswith(_STUDY_KEYS):
+      out[f'{prefix}{key}'] = value
+  return out
+
+
+@pytest.mark.parametrize('name, variant, task, arm', [
+    ('smollm2_rg', None, 'smollm2', 'logra_m0.95_T10_rest_adaptive'),
+    ('smollm2_rg', 'paper', 'smollm2', 'logra'),
+    ('smollm2_rg', 'adam', 'smollm2', 'adam_lr1e-05'),
+    ('tiny', None, 'tiny', 'logra_m0.95_T100_rest'),
+    ('tiny', 'paper', 'tiny', 'logra'),
+    ('tiny', 'adam', 'tiny', 'adam_lr0.0002')])
+def test_task_configs_run_the_parity_study_arm_they_name(name, variant, task, arm):
+  """Each default (and :paper, :adam) is the parity study's arm it names in its docstring and
+  README: the same config apart from the study's held-out set and run length. The study's arms
+  keep resolving as they ran (compare_methods' --prior refuses a changed arm) when a default
+  moves: its smollm2 arms sit on smollm2_rg.py:paper."""
+  study = _module('compare_methods')
+  mine, theirs = _module(name).get_config(variant), study.get_config(f'{task}/{arm}')
+  from_config_dict(mine), from_config_dict(theirs)  # both valid
+  got, want = _flat(mine.to_dict()), _flat(theirs.to_dict())
+  assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want)
+                       if got.get(k) != want.get(k)}
+
+
+def test_smollm2_vllm_variant_sends_the_low_rank_payload():
+  """:vllm is the default with the rest frozen: the generators take U (and the adaptive A),
+  not full weights every step (methods.py sends full weights when the rest trains)."""
+  cfg = _config('smollm2_rg', 'vllm')
+  assert cfg.rollout.engine == 'http' and cfg.optim.logra.rest_learning_rate == 0
+  assert cfg.optim.logra.subspace == _config('smollm2_rg').optim.logra.subspace == 'adaptive'
 
 
 def test_reasoning_gym_verifier_falls_back_to_the_last_number():
