@@ -44,7 +44,8 @@ with the unsketched leaves trained by Adam (optim.logra.rest_learning_rate); (se
 sketch space or its row x column factorisation (optim.logra.sketch_optimizer), and
 `logra_m0.95_T100_rest_adaptive`, the default with an adaptive subspace (optim.logra.subspace),
 on seeds 0-2 and, in tiny_confirm, 3-5; (session 21) `logra_m0.95_T100_rest_exact`, the
-default on the exact gradient (rank = d_in, orthogonal rows), a diagnostic. SmolLM2
+default on the exact gradient (rank = d_in, orthogonal rows), a diagnostic; (session 22)
+`logra_m0.95_T10_rest_adaptive`, SmolLM2's pick (below) on tiny. SmolLM2
 (session 18): `logra_m0.95_T10_rest_adaptive`, the adaptive subspace at SmolLM2's small r/K
 with A rebuilt every 10 steps (T100 never redraws A in a 50-step run), and
 `logra_m0.95_T10_rest`, the same with a random A, its control.
@@ -152,6 +153,12 @@ def ablation(arg=None) -> dict:
         arms['logra_m0.95_T100_rest'], **{'optim.logra.projection': 'orthogonal',
                                           'optim.logra.rank': 128,
                                           'optim.logra.rank_rules': 'down_proj=256'})
+    # Session 22, before its runs, on seeds 0-2 here and 3-5 in tiny_confirm: SmolLM2's pick
+    # (smollm2_rg.py's default since session 22: A rebuilt from G m^T every 10 steps, not 100)
+    # on tiny, 8 of 64 rows random as in _adaptive. Does one rule serve both tasks? (The exact
+    # arm put what is left of tiny's gap in the rank-64 subspace.)
+    arms['logra_m0.95_T10_rest_adaptive'] = dict(arms['logra_m0.95_T100_rest_adaptive'],
+                                                 **{'optim.logra.refresh_every': 10})
   if smollm2:  # tiny's best lever (tiny.py's default since session 14), before any run
     arms['logra_m0.95_T100'] = {'optim.logra.momentum': 0.95, 'optim.logra.refresh_every': 100}
     # Session 15, before its runs: with the unsketched leaves (the tied embedding, norm scales)
@@ -189,7 +196,8 @@ def ablation(arg=None) -> dict:
             **{a: arms[a] for a in ('logra_m0.95_T100_rest_adam',      # session 16
                                     'logra_m0.95_T100_rest_adafactor',
                                     'logra_m0.95_T100_rest_adaptive',
-                                    'logra_m0.95_T100_rest_exact')}}  # session 21
+                                    'logra_m0.95_T100_rest_exact',    # session 21
+                                    'logra_m0.95_T10_rest_adaptive')}}  # session 22
     seeds = (3, 4, 5)
   if task == 'smollm2_confirm':
     # Session 22, fixed before its runs: logra_m0.95_T10_rest_adaptive had the best step-50
