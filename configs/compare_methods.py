@@ -53,7 +53,8 @@ with A rebuilt every 10 steps (T100 never redraws A in a 50-step run), and
 `logra_m0.95_T10_rest_adaptive_kl2e-3to5e-4`, the default with twice its budget early,
 annealed to its level at step 50, and `logra_m0.95_T10_rest_adaptive_kl1.5e-3to1.5e-4`, the
 default's total KL front-loaded; (session 24) `logra_m0.95_T5_rest_adaptive`, the default's
-adaptive subspace rebuilt every 5 steps instead of 10.
+adaptive subspace rebuilt every 5 steps instead of 10, and `logra_m0.9_T10_rest_adaptive`, the
+default with sketch-space momentum 0.9 instead of 0.95.
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -211,6 +212,12 @@ def ablation(arg=None) -> dict:
     # sooner? (Tiny: rebuilding every 10 steps rather than 100 gained +0.013 +- 0.007.)
     arms['logra_m0.95_T5_rest_adaptive'] = dict(arms['logra_m0.95_T10_rest_adaptive'],
                                                 **{'optim.logra.refresh_every': 5})
+    # Session 24, after the two arms above had reported, before its own runs, on seeds 0-1:
+    # the default's sketch-space momentum 0.95 averages ~20 steps, 40% of a 50-step run, and
+    # its value was never varied on SmolLM2. Momentum 0.9 (~10 steps) on the default: does a
+    # shorter moment follow the policy sooner?
+    arms['logra_m0.9_T10_rest_adaptive'] = dict(arms['logra_m0.95_T10_rest_adaptive'],
+                                                **{'optim.logra.momentum': 0.9})
     arms['adam_sketched'] = arms.pop('adam_sketched')  # last: a seed's runs reach the goal's
                                                        # arms first (~40 min a run on the CPU)
   if task == 'smoke':
