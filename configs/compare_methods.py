@@ -20,9 +20,10 @@ train.py command; results.json records it). The tasks:
            against the best AdamW lr there, a confirmation of a pick made on seeds 0-2.
   smollm2  configs/smollm2_rg.py: 50 steps, 256 held-out problems, greedy (eval.k = 1,
            temperature 0), evaluated every 10 steps, seeds 0, 1.
-  smollm2_confirm  the same task on fresh seeds 2, 3: the smollm2 study's pick (the adaptive
-           subspace refreshed every 10 steps, smollm2_rg.py's default since session 22)
-           against the best AdamW lr there, a confirmation of a pick made on seeds 0-1.
+  smollm2_confirm  the same task on fresh seeds 2, 3 (and, since session 25, 4, 5): the
+           smollm2 study's pick (the adaptive subspace refreshed every 10 steps,
+           smollm2_rg.py's default since session 22) against the best AdamW lr there, a
+           confirmation of a pick made on seeds 0-1.
   smoke    the tiny task cut to seconds (a 200-step warm start, 4 x 4 rollouts, 3 steps, 8
            held-out problems): the suite's check of the study's bookkeeping, not a result.
 
@@ -240,8 +241,10 @@ def ablation(arg=None) -> dict:
     # mean of the smollm2 study's 4 LoGRA arms on seeds 0-1 (a rule written before their
     # results; smollm2_rg.py's default since), and adam_lr1e-05 was the best AdamW lr at both
     # report steps. Both optimistic picks, confirmed or not on fresh seeds 2 and 3.
+    # Session 25, fixed before their runs: seeds 4 and 5 added, so that the default's frontier
+    # against that lr rests on six seeds (0-1 of smollm2, 2-5 here); no arm added.
     arms = {a: arms[a] for a in ('logra_m0.95_T10_rest_adaptive', f'adam_lr{lrs[1]:g}')}
-    seeds = (2, 3)
+    seeds = (2, 3, 4, 5)
   # Issue 23 states the SmolLM2 goal at steps 30 and 50; tiny's at the last step (final).
   report_steps = {'smollm2': (30, 50), 'smollm2_confirm': (30, 50),
                   'smoke': (2,)}.get(task, ())
