@@ -306,26 +306,6 @@ def test_memory_safe_logra_and_dense_steps_equal_the_default_steps(step_setup):
     close_trees(got, want)
 
 
-def test_memory_safe_linearized_probe_step_equals_the_default_jvp_step(step_setup):
-  """kl_probe='linearized' (train/steps/linearized_probe.py) through the chunked loss and
-  blockwise attention, with the KL-to-reference penalty: the step of the default model with
-  the JVP probe (probe rows 0 and 2, the others in their own micro-batches)."""
-  mc, params, batch, a = step_setup
-  logra_opt = optimizers.logra_optimizer(OptimSection(), total_steps=10)
-  results = {}
-  for name, cfg, probe in (('dense', mc, 'jvp'), ('safe', mc.replace(**MEMORY_SAFE),
-                                                  'linearized')):
-    sc = steps.StepConfig(prompt_len=P, micro_batches=2, kl_sequences=2, kl_control=True,
-                          kl_probe=probe, alpha_max=3.0, sparse_mask=0.0)
-    logra = steps.make_logra_step(Transformer(cfg), loss_config(), logra_opt, sc,
-                                  steps.ProjectionSpec(4, dtype=jnp.float64))
-    state = logra_opt.init(sketch.zero_probes(params, a))
-    results[name] = logra(jax.tree.map(jnp.array, params), state, batch, 0, 1,
-                          jnp.float64(1e-4), jax.random.key(0))
-  assert results['dense'][2]['skipped'] == 0
-  close_trees(results['safe'], results['dense'])
-
-
 def test_chunked_finite_difference_probe_equals_the_dense_one(step_setup):
   mc, params, batch, a = step_setup
   rng = np.random.default_rng(4)

@@ -173,9 +173,7 @@ STEP_SCRIPT = '''
     out = {}
     # logra_rest: the unsketched leaves by Adam, and Adafactor's row x column scaling in
     # sketch space (factored moments: (L, R) rows, (L, D) columns).
-    # logra_adaptive: A in the state, rebuilt from the co-sketches at both steps, with the
-    # KL probe's forward shared with its rows' loss (kl_probe='linearized': the probe rows a
-    # micro-batch of their own, the other rows in theirs, all split over the devices).
+    # logra_adaptive: A in the state, rebuilt from the co-sketches at both steps.
     for name in ('logra', 'logra_rest', 'logra_adaptive', 'adam'):
       cfg = default_config()
       cfg.optim.name, cfg.optim.micro_batches = name.partition('_')[0], 2
@@ -187,7 +185,6 @@ STEP_SCRIPT = '''
         if name == 'logra_adaptive':
           cfg.optim.logra.subspace, cfg.optim.logra.subspace_random_rows = 'adaptive', 2
           cfg.optim.logra.momentum, cfg.optim.logra.refresh_every = 0.9, 1
-          cfg.optim.logra.kl_probe = 'linearized'
       else:
         cfg.optim.adam.learning_rate = 1e-3
       # Pairs of samples: one and four devices pack the same rows (runs of 2 sharing a prompt,
@@ -234,8 +231,7 @@ def _step_results(devices, path):
 
 def test_logra_and_adam_steps_sharded_equal_unsharded(tmp_path):
   """Two steps of each (LoGRA, LoGRA with its rest trained and sketch Adafactor, LoGRA with an
-  adaptive subspace and the linearized KL probe, AdamW) on 1 and on 4 devices (run side by
-  side); each device holds 1/4.
+  adaptive subspace, AdamW) on 1 and on 4 devices (run side by side); each device holds 1/4.
 
   In float64: at step 2 Adam's update m̂/(√v̂ + ε) divides by the gradients' own size, so an
   entry whose gradient is a cancelling sum carries fp32 rounding far above the module's 1e-6

@@ -2,8 +2,7 @@
 from logra_jax.sketch.compress import (low_rank_reconstruct, randomized_svd_compress,
                                        sparse_mask_sketch, sparse_mask_tree)
 from logra_jax.sketch.dense import (COPROBE, COPROJECTION, PROBE, PROJECTION, SketchDense,
-                                    cosketch_matmul, cosketch_matmul_linear, sketch_matmul,
-                                    sketch_matmul_linear)
+                                    cosketch_matmul, sketch_matmul, sketch_matmul_linear)
 from logra_jax.sketch.kl import (chunked_kl_coefficient, chunked_mean_kl, effective_budget,
                                  finite_difference_kl_at_budget,
                                  finite_difference_kl_coefficient, kl_budget_schedule,

@@ -11,9 +11,7 @@ A projection `A_RxK` and a zero probe `P_RxD` ride along with the kernel `W_KxD`
   power-iteration step; it keeps x for the backward).
 * `sketch_matmul_linear`: `x @ W + (x Aᵀ) @ P`, the same layer written so that forward-mode
   AD works (custom_vjp functions cannot be JVP'd). Its JVP along a probe tangent U equals
-  the JVP along the kernel tangent Aᵀ U, which is what the predicted-KL estimate needs; the
-  transpose of its linearization gives the sketch as the probe's cotangent, and
-  `cosketch_matmul_linear` (+ `(x Cp) @ B`) the co-sketch as the coprobe's.
+  the JVP along the kernel tangent Aᵀ U, which is what the predicted-KL estimate needs.
 
 `SketchDense` (Flax Linen) reads A and P from the `projection` and `probe` variable
 collections under the name `kernel` (B and the coprobe from `coprojection` / `coprobe`), so
@@ -148,17 +146,6 @@ def sketch_matmul_linear(x, kernel, projection, probe):
   return y + delta.astype(y.dtype)
 
 
-def cosketch_matmul_linear(x, kernel, projection, probe, coprojection, coprobe):
-  """`sketch_matmul_linear` + `(x Cp) @ B`: with zero coprobe Cp (K, R') the same product,
-  and the coprobe's cotangent (by `jax.linear_transpose` of a linearization) the co-sketch
-  `G_W Bᵀ = xᵀ (g Bᵀ)`, as `cosketch_matmul` gives it; forward-differentiable."""
-  y = sketch_matmul_linear(x, kernel, projection, probe)
-  acc = _acc_dtype(x.dtype)
-  xc = jnp.einsum('...k,kr->...r', x, coprobe.astype(x.dtype), preferred_element_type=acc)
-  delta = jnp.einsum('...r,rd->...d', xc, coprojection.astype(acc), preferred_element_type=acc)
-  return y + delta.astype(y.dtype)
-
-
 class SketchDense(nn.Module):
   """Dense layer y = x W (+ b) that can emit a LoGRA sketch of dL/dW.
 
@@ -191,10 +178,10 @@ class SketchDense(nn.Module):
     if self.has_variable(PROJECTION, 'kernel'):
       projection = self.get_variable(PROJECTION, 'kernel')
       probe = self.get_variable(PROBE, 'kernel')
-      if self.has_variable(COPROJECTION, 'kernel'):
-        fn = cosketch_matmul if self.sketch_mode == 'vjp' else cosketch_matmul_linear
-        y = fn(x, kernel, projection, probe, self.get_variable(COPROJECTION, 'kernel'),
-               self.get_variable(COPROBE, 'kernel'))
+      if self.has_variable(COPROJECTION, 'kernel') and self.sketch_mode == 'vjp':
+        y = cosketch_matmul(x, kernel, projection, probe,
+                            self.get_variable(COPROJECTION, 'kernel'),
+                            self.get_variable(COPROBE, 'kernel'))
       else:
         fn = sketch_matmul if self.sketch_mode == 'vjp' else sketch_matmul_linear
         y = fn(x, kernel, projection, probe)

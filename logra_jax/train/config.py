@@ -124,9 +124,7 @@ class LograSection:
   sparse_mask: float = 0.0  # drop this fraction of output units per step (unbiased)
   param_rounding: str = 'stochastic'  # bf16 params: W + ΔW stochastically rounded | 'nearest'
   kl_control: bool = True   # α from the predicted KL (else α = 1)
-  kl_probe: str = 'jvp'     # | 'fd' (finite difference) | 'linearized': the JVP from the probe
-  #   rows' own loss forward (one jax.linearize; train/steps/linearized_probe.py): q as 'jvp'
-  #   up to summation order, one forward of kl_sequences rows less, their residuals held
+  kl_probe: str = 'jvp'     # | 'fd' (finite difference)
   kl_budget_init: float = 2e-4
   kl_budget_final: float = 2e-5
   kl_budget_steps: int = 300
@@ -260,7 +258,7 @@ CHOICES = {
     'optim.logra.sketch_optimizer': ('row_adam', 'adam', 'adafactor', 'sgd'),
     'optim.logra.projection': ('rademacher', 'gaussian', 'orthogonal'),
     'optim.logra.subspace': ('random', 'adaptive'),
-    'optim.logra.kl_probe': ('jvp', 'fd', 'linearized'),
+    'optim.logra.kl_probe': ('jvp', 'fd'),
     'optim.logra.param_rounding': ('stochastic', 'nearest'),  # = train.steps.PARAM_ROUNDINGS
     'optim.adam.trainable': ('all', 'sketched'),
     'model.dtype': ('float32', 'bfloat16', 'float64'),

@@ -44,10 +44,9 @@ def kl_batch(batch, n, sh, group=1):
 
 
 def probe_kl(model, out_fn, fd_model, probes, u, kind, budget, temperature, mask):
-  """(the forward at the probes, q along U) by a JVP ('jvp'; 'linearized' where it runs apart
-  from the loss: telemetry alone) or a finite difference ('fd', at the step the budget allows,
-  on ``fd_model``: the forward in at least fp32)."""
-  if kind in ('jvp', 'linearized'):
+  """(the forward at the probes, q along U) by a JVP ('jvp') or a finite difference ('fd',
+  at the step the budget allows, on ``fd_model``: the forward in at least fp32)."""
+  if kind == 'jvp':
     base, tangent = sketch.logits_and_tangents(out_fn, probes, u)
     return base, completion.kl_coefficient(model, base, tangent, temperature, mask)
   kl = functools.partial(completion.mean_kl, model)

@@ -14,8 +14,8 @@ from flax import traverse_util
 
 from logra_jax import sketch
 from logra_jax.train import completion
-from logra_jax.train.steps import kl_probe, linearized_probe, micro_batches
-from logra_jax.train.steps.losses import loss_fn, loss_of_forward
+from logra_jax.train.steps import kl_probe, micro_batches
+from logra_jax.train.steps.losses import loss_fn
 from logra_jax.train.steps.micro_batches import accumulate, all_finite, constrain
 from logra_jax.train.steps.projections import ProjectionSpec, draw_projections
 from logra_jax.train.steps.rounding import check_rounding, rounding_key
@@ -27,13 +27,11 @@ def _acc(dtype):
   return jnp.promote_types(jnp.float32, dtype)
 
 
-def _variables(params, projections, point, rest: bool, coprojections=None, coprobes=None):
-  """The sketching variables at a probe point: the probes, and the rest's leaves with rest
-  (and co-sketching with ``coprojections`` at ``coprobes``)."""
+def _variables(params, projections, point, rest: bool):
+  """The sketching variables at a probe point: the probes, and the rest's leaves with rest."""
   if not rest:
-    return sketch.sketch_variables(params, projections, point, coprojections, coprobes)
-  return sketch.sketch_variables(sketch.with_rest(params, point[1]), projections, point[0],
-                                 coprojections, coprobes)
+    return sketch.sketch_variables(params, projections, point)
+  return sketch.sketch_variables(sketch.with_rest(params, point[1]), projections, point[0])
 
 
 def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
@@ -62,76 +60,29 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   loss = loss_fn(model, loss_cfg, sc.prompt_len)
   check_rounding(sc)
   rest = rest_opt is not None
-  # 'linearized': the probe's forward is its rows' loss forward (`linearized_probe`); without
-  # kl_control the probe runs for telemetry only, as the JVP probe.
-  linearized = sc.kl_probe == 'linearized' and sc.kl_control
-  of_forward = loss_of_forward(model, loss_cfg)
-
-  def with_linearized_probe(grad_fn_of, zeros, batch, kb, kl_share, at, variables_at, cosketch):
-    """(grads, metrics, probed): the unprobed rows accumulated in micro-batches of their own,
-    the probe rows' part from one linearization at ``at`` (the probe point, with the coprobes
-    on a refresh); ``probed(direction)`` -> (their forward, q along the direction) from it."""
-    whole = micro_batches.whole_of(batch)
-    ob, m_o, o_share, o_sharding = linearized_probe.other_batch(
-        batch, sc.kl_sequences, sc.micro_batches, sh, sc.prompt_group)
-    grads, metrics = zeros, None
-    if m_o:
-      grads, metrics = accumulate(grad_fn_of(o_share), zeros, ob, m_o, loss_cfg.aggregation,
-                                  o_sharding, whole=whole)
-    w, share = linearized_probe.probe_rows_weight(kb, whole, loss_cfg.aggregation)
-
-    def rows(pt):
-      out = completion.forward(linear, variables_at(pt), kb, sc.prompt_len, kl_share)
-      value, row_metrics = of_forward(out, kb, w)
-      return (value, out), row_metrics
-    (value, row_metrics), row_grads, out, tangent = linearized_probe.linearize_rows(rows, at)
-    grads, metrics = linearized_probe.add_rows(grads, metrics, row_grads, value, row_metrics,
-                                               w, share)
-
-    def probed(direction):
-      # The direction as a tangent of ``at``: the coprobes (a refresh's) do not move.
-      d = jax.tree.map(lambda p, u: u.astype(p.dtype), at[0] if cosketch else at, direction)
-      d = (d, jax.tree.map(jnp.zeros_like, at[1])) if cosketch else d
-      return out, completion.kl_coefficient(model, out, tangent(d), temp, kb['target_mask'])
-    return grads, metrics, probed
-
   if rest and sc.return_update:
     raise ValueError('logra_update_fn: return_update with rest_opt: the low-rank payload (α·U) '
                      'cannot carry the densely trained rest; sync full weights instead')
 
   def update(params, opt_state, batch, projections, budget, key, telemetry=True,
              coprojections=None, **basis):
+    mb_sharding = micro_batches.micro_batch_sharding_of(sh, batch, sc.micro_batches)
+    mb_loss = functools.partial(loss, share=micro_batches.mb_share(sc, batch, sh))
     probes = sketch.zero_probes(params, projections)
     # The probe point and the direction of the step: the sketch's, and the rest's with rest_opt.
     point = (probes, sketch.rest_of(params, projections)) if rest else probes
     zeros = constrain(jax.tree.map(lambda x: jnp.zeros(x.shape, _acc(x.dtype)), point),
                       sh and sh.accum)
-    coprobes = None if coprojections is None else sketch.zero_coprobes(params, coprojections)
-
-    def grad_fn_of(share):
-      mb_loss = functools.partial(loss, share=share)
-      if coprojections is None:
-        return lambda mb, w: sketch.sketch_value_and_grad(mb_loss, has_aux=True, rest=rest)(
-            params, projections, mb, w)
-      # the co-sketches G Bᵀ too (an adaptive subspace's refresh), summed likewise
-      return lambda mb, w: _regroup(sketch.sketch_value_and_grad(
+    if coprojections is None:
+      grad_fn = lambda mb, w: sketch.sketch_value_and_grad(mb_loss, has_aux=True, rest=rest)(
+          params, projections, mb, w)
+    else:  # the co-sketches G Bᵀ too (an adaptive subspace's refresh), summed likewise
+      grad_fn = lambda mb, w: _regroup(sketch.sketch_value_and_grad(
           mb_loss, has_aux=True, rest=rest, cosketch=True)(params, projections, coprojections,
                                                            mb, w), rest)
-    if coprojections is not None:
-      zeros = (zeros, coprobes)
-    kl_batch, kl_share = kl_probe.kl_batch(batch, sc.kl_sequences, sh, sc.prompt_group)
-    kl_mask = kl_batch['target_mask']
-    if linearized:  # the probe rows' forward shared by their loss and the probe
-      co = coprojections is not None
-      grads, metrics, probed_at = with_linearized_probe(
-          grad_fn_of, zeros, batch, kl_batch, kl_share, (point, coprobes) if co else point,
-          lambda pt: (_variables(params, projections, pt[0], rest, coprojections, pt[1]) if co
-                      else _variables(params, projections, pt, rest)), co)
-    else:
-      grads, metrics = accumulate(
-          grad_fn_of(micro_batches.mb_share(sc, batch, sh)), zeros, batch, sc.micro_batches,
-          loss_cfg.aggregation, micro_batches.micro_batch_sharding_of(sh, batch,
-                                                                      sc.micro_batches))
+      zeros = (zeros, sketch.zero_coprobes(params, coprojections))
+    grads, metrics = accumulate(grad_fn, zeros, batch, sc.micro_batches, loss_cfg.aggregation,
+                                mb_sharding)
     grads, cosketches = grads if coprojections is not None else (grads, None)
     s, g_rest = grads if rest else (grads, None)
     if sc.sparse_mask:
@@ -143,14 +94,13 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
       v, new_rest_state = rest_opt.update(g_rest, rest_state, point[1])
       new_opt_state = (new_opt_state, new_rest_state)
     direction = (u, v) if rest else u
+    kl_batch, kl_share = kl_probe.kl_batch(batch, sc.kl_sequences, sh, sc.prompt_group)
+    kl_mask = kl_batch['target_mask']
     out_fn = lambda p, m=linear: completion.forward(
         m, _variables(params, projections, p, rest), kl_batch, sc.prompt_len, kl_share)
     probe = lambda: kl_probe.probe_kl(model, out_fn, fd_linear, point, direction, sc.kl_probe,
                                       budget, temp, kl_mask)
-    if linearized:
-      probed = probed_at(direction)
-    else:
-      probed = probe() if sc.kl_control else None
+    probed = probe() if sc.kl_control else None
     alpha = sketch.step_scale(probed[1], budget, sc.alpha_max) if probed else jnp.ones_like(budget)
     ok = all_finite(grads) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
 

@@ -35,28 +35,17 @@ def _mismatch(logits, batch, temperature):
   return _mismatch_of_logp(rl_losses.token_logprobs(logits, batch['targets'], temperature), batch)
 
 
-def loss_of_forward(model, loss_cfg):
-  """``loss(out, mb, weight)`` -> (weighted loss, metrics) of a micro-batch from its
-  `completion.forward` output ``out`` (logits, or `Hidden` with `ModelConfig.vocab_chunk` > 0:
-  the loss over vocabulary chunks, no (N, T, V) logits)."""
-  if model.config.vocab_chunk:
-    def chunked(out, mb, weight):
-      logp, entropy = completion.logprobs_and_entropy(model, out, mb['targets'],
-                                                      loss_cfg.temperature)
-      value, metrics = rl_losses.rl_loss_from_logprobs(
-          loss_cfg, logp, mb['behaviour_logp'], mb['advantages'], mb['target_mask'],
-          mb.get('ref_logp'), entropy)
-      metrics = dict(metrics, mismatch=_mismatch_of_logp(logp, mb))
-      metrics['entropy'] = rl_losses.aggregate(jax.lax.stop_gradient(entropy), mb['target_mask'])
-      return value * weight, metrics
-    return chunked
-
-  def loss(logits, mb, weight):
-    value, metrics = rl_losses.rl_loss(loss_cfg, logits, mb['targets'], mb['behaviour_logp'],
-                                       mb['advantages'], mb['target_mask'], mb.get('ref_logp'))
-    metrics = dict(metrics, mismatch=_mismatch(logits, mb, loss_cfg.temperature))
-    entropy = rl_losses.token_entropy(jax.lax.stop_gradient(logits), loss_cfg.temperature)
-    metrics['entropy'] = rl_losses.aggregate(entropy, mb['target_mask'])
+def _chunked_loss_fn(model, loss_cfg, prompt_len):
+  """`loss_fn` over vocabulary chunks (`ModelConfig.vocab_chunk` > 0): no (N, T, V) logits."""
+  def loss(variables, mb, weight, share=1):
+    out = completion.forward(model, variables, mb, prompt_len, share)
+    logp, entropy = completion.logprobs_and_entropy(model, out, mb['targets'],
+                                                    loss_cfg.temperature)
+    value, metrics = rl_losses.rl_loss_from_logprobs(
+        loss_cfg, logp, mb['behaviour_logp'], mb['advantages'], mb['target_mask'],
+        mb.get('ref_logp'), entropy)
+    metrics = dict(metrics, mismatch=_mismatch_of_logp(logp, mb))
+    metrics['entropy'] = rl_losses.aggregate(jax.lax.stop_gradient(entropy), mb['target_mask'])
     return value * weight, metrics
   return loss
 
@@ -64,10 +53,17 @@ def loss_of_forward(model, loss_cfg):
 def loss_fn(model, loss_cfg, prompt_len):
   """``loss(variables, mb, weight, share=1)`` -> (weighted loss, metrics); ``share``: rows in
   runs of that many sharing a prompt (`completion.forward`)."""
-  of_forward = loss_of_forward(model, loss_cfg)
+  if model.config.vocab_chunk:
+    return _chunked_loss_fn(model, loss_cfg, prompt_len)
 
   def loss(variables, mb, weight, share=1):
-    return of_forward(completion.forward(model, variables, mb, prompt_len, share), mb, weight)
+    logits = completion.forward(model, variables, mb, prompt_len, share)
+    value, metrics = rl_losses.rl_loss(loss_cfg, logits, mb['targets'], mb['behaviour_logp'],
+                                       mb['advantages'], mb['target_mask'], mb.get('ref_logp'))
+    metrics = dict(metrics, mismatch=_mismatch(logits, mb, loss_cfg.temperature))
+    entropy = rl_losses.token_entropy(jax.lax.stop_gradient(logits), loss_cfg.temperature)
+    metrics['entropy'] = rl_losses.aggregate(entropy, mb['target_mask'])
+    return value * weight, metrics
   return loss
 
 

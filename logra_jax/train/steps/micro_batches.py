@@ -18,22 +18,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 LOSS_LIKE_METRICS = ('loss', 'loss/policy')
 
 
-def whole_of(batch):
-  """(target tokens, rows) of a batch: what its micro-batches' weights are shares of."""
-  return jnp.sum(batch['target_mask']), jax.tree.leaves(batch)[0].shape[0]
-
-
-def split_micro_batches(batch, m: int, aggregation: str, whole=None):
-  """(M, N/M, …) micro-batches, their loss weights (token or sequence share) and token shares.
-
-  ``whole`` (`whole_of` a larger batch that ``batch``'s rows are part of): shares of that one.
-  """
+def split_micro_batches(batch, m: int, aggregation: str):
+  """(M, N/M, …) micro-batches, their loss weights (token or sequence share) and token shares."""
   mbs = jax.tree.map(lambda x: x.reshape((m, -1) + x.shape[1:]), batch)
   tokens = jnp.sum(mbs['target_mask'], axis=(1, 2))
-  total, rows = whole if whole is not None else (jnp.sum(tokens), m)
-  shares = tokens / jnp.maximum(total, 1.0)
-  rows_per_mb = jax.tree.leaves(mbs)[0].shape[1] if whole is not None else 1
-  weights = shares if aggregation == 'token' else jnp.full((m,), rows_per_mb / rows)
+  shares = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+  weights = shares if aggregation == 'token' else jnp.full((m,), 1.0 / m)
   return mbs, weights, shares
 
 
@@ -64,22 +54,14 @@ def rows_sharding(batch_sharding, n: int):
   return None if size == 1 or n % size else batch_sharding
 
 
-def weigh_metrics(metrics, weight, share):
-  """A micro-batch's metrics as its part of the batch's: `LOSS_LIKE_METRICS` times its loss
-  weight, the token means times its token share."""
-  return {k: v * (weight if k in LOSS_LIKE_METRICS else share) for k, v in metrics.items()}
-
-
-def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str, mb_sharding=None,
-               whole=None):
+def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str, mb_sharding=None):
   """Σ over micro-batches of grad_fn(mb, weight) -> ((loss, metrics), grads), in a scan.
 
   Micro-batch metrics are combined into whole-batch values: token means by token share,
   `LOSS_LIKE_METRICS` by the loss weights (so they do not depend on ``m``). ``mb_sharding``
-  (`micro_batch_sharding`) places each micro-batch's rows over the devices. ``whole``: as
-  `split_micro_batches` (the sums are then this batch's part of the larger one's).
+  (`micro_batch_sharding`) places each micro-batch's rows over the devices.
   """
-  mbs, weights, shares = split_micro_batches(batch, m, aggregation, whole)
+  mbs, weights, shares = split_micro_batches(batch, m, aggregation)
   if mb_sharding is not None:
     mbs = jax.lax.with_sharding_constraint(mbs, jax.tree.map(lambda _: mb_sharding, mbs))
 
@@ -87,7 +69,8 @@ def accumulate(grad_fn: Callable, zeros, batch, m: int, aggregation: str, mb_sha
     mb, w, share = xs
     (loss, metrics), g = grad_fn(mb, w)
     acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
-    return acc, (loss, weigh_metrics(metrics, w, share))
+    metrics = {k: v * (w if k in LOSS_LIKE_METRICS else share) for k, v in metrics.items()}
+    return acc, (loss, metrics)
 
   total, (losses, metrics) = jax.lax.scan(body, zeros, (mbs, weights, shares))
   metrics = jax.tree.map(jnp.sum, metrics)
