@@ -39,8 +39,10 @@ default rule (logra_m0.95_T100_rest, A held the whole run) 0.309 / 0.322; optimi
 gradient 363 MiB against AdamW's 1,539 (0.236x, XLA). That was the best step-50 mean of four
 LoGRA arms on two seeds, an optimistic pick; on fresh seeds 2 and 3
 (configs/compare_methods.py:smollm2_confirm) it was 0.301 / 0.332 against AdamW's 0.330 /
-0.324, so over seeds 0-3 -0.020 +- 0.009 at step 30 and +0.020 +- 0.025 at step 50, paired:
-level with dense AdamW at the end, behind at step 30.
+0.324, so over seeds 0-3 -0.020 +- 0.009 at step 30 and +0.020 +- 0.025 at step 50, paired.
+Seeds 4 and 5 (sessions 25-26, fixed before their runs) make it, over seeds 0-5, 0.287 +- 0.019
+at step 30 and 0.322 +- 0.025 at step 50 against AdamW lr 1e-5's 0.301 +- 0.025 and 0.346 +-
+0.012: paired -0.014 +- 0.020 and -0.024 +- 0.035, within one s.e. of dense AdamW and below it.
 ':paper' (README "SmolLM2 learns", 128 problems): 0.148 (step 0) -> 0.289 (20) -> 0.328 (30)
 -> 0.344 (50); train accuracy (T = 1, mean of 10 steps) 0.14 -> 0.39 over steps 1-50.
 ':adam' (dense AdamW, lr 1e-5, `--config.total_steps=30`, 58 min here with other jobs
@@ -125,7 +127,7 @@ def get_config(arg=None):
   # AdamW there, +0.047 over A held the whole run (logra_m0.95_T100_rest). At r/K = 32/576 a
   # held random A (T100) lost to refreshing it every 10 steps; built from G m^T (adaptive)
   # gained +0.012 +- 0.008 more over a random refresh. Fresh seeds 2-3 did not confirm the
-  # step-50 edge: over seeds 0-3 +0.020 +- 0.025 at step 50, -0.020 +- 0.009 at step 30.
+  # step-50 edge: over seeds 0-5 -0.024 +- 0.035 at step 50, -0.014 +- 0.020 at step 30.
   cfg.optim.logra.refresh_every = 10
   cfg.optim.logra.momentum = 0.95  # sketch-space momentum carried across refreshes
   cfg.optim.logra.subspace = 'adaptive'
