@@ -29,7 +29,7 @@ STEP_KEYS = ('step', 'reward_mean', 'accuracy', 'response_length', 'truncation_r
              'step_time_s', 'tokens_per_s', 'skipped')
 # The update's norm: the LoGRA step's sketch, the dense steps' (AdamW, LoRA) gradient.
 NORM_KEY = {'logra': 'sketch_norm', 'adam': 'grad_norm', 'lora': 'grad_norm'}
-EVAL_KEYS = ('eval_accuracy', 'eval_pass_at_k')
+EVAL_KEYS = ('eval_accuracy', 'eval_pass_at_k', 'eval_truncation_rate')
 
 _RUNS = {}
 
@@ -162,6 +162,7 @@ def check_rows(rows, name, cfg):
     assert all((k in row) == is_eval for k in EVAL_KEYS), row
     if is_eval:
       assert 0.0 <= row['eval_accuracy'] <= row['eval_pass_at_k'] <= 1.0
+      assert 0.0 <= row['eval_truncation_rate'] <= 1.0
     finite = ('reward_mean', 'accuracy', 'response_length', 'truncation_rate', 'mismatch',
               'realized_kl', 'step_time_s', 'tokens_per_s')
     if not row['skipped']:  # a skipped step's loss and gradient (norm) are the NaNs it skipped

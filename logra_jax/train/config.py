@@ -214,6 +214,7 @@ class WarmStartSection:
 class EvalSection:
   k: int = 4                # samples per held-out problem (pass@1 and pass@k)
   temperature: float = 1.0
+  max_new_tokens: int = 0   # the held-out completions' limit (0: rollout.max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +290,9 @@ def _check(cfg: TrainConfig):
     if not _get(cfg, key) > 0:
       raise ValueError(f'config key {key} must be > 0, got {_get(cfg, key)!r}')
   _check_method_keys(cfg.optim)
+  if cfg.eval.max_new_tokens < 0:
+    raise ValueError(f'config key eval.max_new_tokens must be >= 0 (0: rollout.max_new_tokens), '
+                     f'got {cfg.eval.max_new_tokens}')
   lg = cfg.optim.logra
   if lg.momentum and lg.rank_delta:
     raise ValueError('config key optim.logra.momentum needs constant ranks (the moments keep '

@@ -69,11 +69,11 @@ def _seed(cfg, t, salt):
   return int(np.random.SeedSequence([cfg.seed, t, salt]).generate_state(1)[0])
 
 
-def _requests(task, records, cfg, t, n, temperature, salt=0):
+def _requests(task, records, cfg, t, n, temperature, salt=0, max_new_tokens=0):
   params = lambda i: SamplingParams(
       temperature=temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-      max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=task.stop_ids, n=n,
-      seed=_seed(cfg, t, salt * 1_000_000 + i))
+      max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens,
+      stop_token_ids=task.stop_ids, n=n, seed=_seed(cfg, t, salt * 1_000_000 + i))
   return [GenerationRequest(task.prompt_ids(r), params(i), request_id=str(i))
           for i, r in enumerate(records)]
 
@@ -84,13 +84,25 @@ def _score(task, scorer, results, records, n):
   return scorer.score(texts, refs)
 
 
-def evaluate(task, generator, scorer, cfg: TrainConfig, t: int) -> dict:
-  """pass@1 (mean correctness of k samples per held-out problem) and pass@k."""
+def evaluate(task, generator, scorer, cfg: TrainConfig, t: int, answers=None) -> dict:
+  """pass@1 (mean correctness of k samples per held-out problem), pass@k, and the share of
+  held-out completions cut at the limit (eval.max_new_tokens, or rollout.max_new_tokens).
+  ``answers``: a list that receives one dict per held-out completion, in order (problem
+  index, completion text, reference, correct, finish_reason, tokens)."""
   k = cfg.eval.k
   results = generator.generate(_requests(task, task.eval_records, cfg, t, k,
-                                         cfg.eval.temperature, salt=1))
-  correct = _score(task, scorer, results, task.eval_records, k).correct.reshape(-1, k)
-  return {'eval_accuracy': correct.mean(), 'eval_pass_at_k': correct.any(1).mean()}
+                                         cfg.eval.temperature, salt=1,
+                                         max_new_tokens=cfg.eval.max_new_tokens))
+  correct = _score(task, scorer, results, task.eval_records, k).correct
+  if answers is not None:
+    answers.extend({'problem': i // k, 'completion': task.decode(r.completion_token_ids),
+                    'reference': task.reference(task.eval_records[i // k]),
+                    'correct': bool(c), 'finish_reason': r.finish_reason,
+                    'tokens': len(r.completion_token_ids)}
+                   for i, (r, c) in enumerate(zip(results, correct)))
+  correct = correct.reshape(-1, k)
+  return {'eval_accuracy': correct.mean(), 'eval_pass_at_k': correct.any(1).mean(),
+          'eval_truncation_rate': np.mean([r.finish_reason == 'length' for r in results])}
 
 
 def progress_postfix(metrics: dict, last_eval: dict) -> dict:
@@ -109,6 +121,29 @@ def rollout_metrics(results, scores, max_new_tokens) -> dict:
           'reward_timeouts': scores.timed_out}
 
 
+def reward_scorer(cfg: TrainConfig) -> RewardScorer:
+  r = cfg.reward
+  return RewardScorer(r.verifier, correct=r.correct, incorrect=r.incorrect,
+                      timeout_s=r.timeout_s, num_workers=r.workers)
+
+
+def advantage_estimator(cfg: TrainConfig):
+  return get_advantage_fn(cfg.rl.advantage, **(
+      {'ema': cfg.rl.baseline_ema} if cfg.rl.advantage == 'running_baseline' else {}))
+
+
+def reference_policy(cfg: TrainConfig, method, state):
+  """A copy of the policy of ``state`` (the KL penalty's reference), or {} without one."""
+  if not cfg.rl.kl_coef:
+    return {}
+  return jax.tree.map(jnp.copy, method.policy_params(state))
+
+
+def checkpoint_like(method_state, estimator, ref) -> dict:
+  """The structure a checkpoint's state is saved in (`Trainer.save`) and restored into."""
+  return {'method': method_state, 'adv': estimator.init(), 'ref': ref}
+
+
 class Trainer:
   """Owns the run: task, model, method, generator, scorer, checkpoints, metric writer."""
 
@@ -123,16 +158,13 @@ class Trainer:
                                                               checkpoint)
     del checkpoint  # the params are on the devices now
     self.method = get_method(cfg, self.model, self.layout)
-    self.estimator = get_advantage_fn(cfg.rl.advantage, **(
-        {'ema': cfg.rl.baseline_ema} if cfg.rl.advantage == 'running_baseline' else {}))
+    self.estimator = advantage_estimator(cfg)
     generator = generator_class(cfg.rollout.engine)  # before a checkpoint or file is opened
     lg = cfg.optim.logra  # the budget sizes LoGRA's steps (the dense methods ignore it)
     self.budget = sketch.kl_budget_schedule(lg.kl_budget_init, lg.kl_budget_final,
                                             lg.kl_budget_steps)
     self.ckpt = Checkpointer(workdir)
-    self.scorer = RewardScorer(cfg.reward.verifier, correct=cfg.reward.correct,
-                               incorrect=cfg.reward.incorrect, timeout_s=cfg.reward.timeout_s,
-                               num_workers=cfg.reward.workers)
+    self.scorer = reward_scorer(cfg)
     self._ref_fns = {}
     self.step, resumed = self._restore_or_init(params)
     self.writer = MetricWriter(workdir, resume_step=self.step if resumed else -1)
@@ -161,8 +193,8 @@ class Trainer:
       return 0, False
     self.state = self.method.init(params)
     self.ref = self._reference()
-    saved = {'method': self.state, 'adv': self.estimator.init(), 'ref': self.ref}
-    restored, meta = self.ckpt.restore(latest, saved)
+    restored, meta = self.ckpt.restore(latest, checkpoint_like(self.state, self.estimator,
+                                                              self.ref))
     self.state, self.adv_state, self.ref = restored['method'], restored['adv'], restored['ref']
     self.mismatch, self._pending = meta['mismatch_ema'], meta.get('rollouts', [])
     self.task.train_iter.set_state(meta['data'])
@@ -171,9 +203,7 @@ class Trainer:
 
   def _reference(self):
     """A copy of the current policy (the step donates its params), or {} without a penalty."""
-    if not self.cfg.rl.kl_coef:
-      return {}
-    return jax.tree.map(jnp.copy, self.method.policy_params(self.state))
+    return reference_policy(self.cfg, self.method, self.state)
 
   def save(self, data=None, pending=None):
     """The checkpoint of step self.step; ``data``/``pending``: the data-iterator state and
@@ -360,3 +390,44 @@ def train(cfg: TrainConfig, workdir: str, progress: bool = True, log=print, layo
   finally:
     trainer.close()
   return trainer
+
+
+def evaluate_checkpoint(cfg: TrainConfig, workdir: str, step=None, layout=None,
+                        answers=None) -> dict:
+  """The held-out evaluation of the policy in ``workdir``'s checkpoint of ``step`` (None: the
+  latest), under ``cfg``'s eval section, read-only: nothing in ``workdir`` is written. With
+  the run's own config it repeats the run's logged evaluation of that step (same params,
+  same seeds); with another eval section (e.g. eval.max_new_tokens) it asks a new question
+  of the same policy. Returns the evaluation's metrics, with 'step' and 'max_new_tokens';
+  ``answers``: as `evaluate`'s."""
+  if cfg.rollout.engine != 'embedded':
+    raise ValueError('evaluate_checkpoint runs the embedded engine (config key rollout.engine='
+                     f"'embedded'), got {cfg.rollout.engine!r}")
+  layout = layout or parallel.layout_from_config(cfg.mesh)
+  ckpt = Checkpointer(workdir)
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None or step not in ckpt.manager.all_steps():
+      raise ValueError(f'no checkpoint of step {step} in {ckpt.directory} '
+                       f'(it has {sorted(ckpt.manager.all_steps())})')
+    checkpoint = tasks.load_checkpoint(cfg)
+    task = tasks.build_task(cfg, checkpoint=checkpoint)
+    model, model_config, params = tasks.build_model(cfg, task, layout, checkpoint)
+    del checkpoint
+    method = get_method(cfg, model, layout)
+    state = method.init(params)
+    restored, _ = ckpt.restore(step, checkpoint_like(
+        state, advantage_estimator(cfg), reference_policy(cfg, method, state)))
+  finally:
+    ckpt.close()
+  generator = GENERATORS['embedded'](cfg, workdir, model_config,
+                                     method.policy_params(restored['method']), step, task.pad_id)
+  scorer = reward_scorer(cfg)
+  try:
+    out = evaluate(task, generator, scorer, cfg, step, answers)
+  finally:
+    scorer.close()
+    if hasattr(generator, 'close'):
+      generator.close()
+  return {'step': int(step), 'max_new_tokens': cfg.eval.max_new_tokens or
+          cfg.rollout.max_new_tokens, **{k: float(v) for k, v in out.items()}}
