@@ -31,6 +31,7 @@ HEAVY_FILES = {
     # runs (4 train.py runs, twice invoked), the probe's float64 tests, the fault runs.
     'test_compare_methods.py': 180, 'test_direction_quality.py': 130, 'test_faults.py': 200,
     'test_gpu_study.py': 50,  # session 19: gpu_measure.sh's tiny run
+    'test_evaluate_checkpoint.py': 60,  # session 26: a tiny run, 4 evaluations, one command
 }
 
 
