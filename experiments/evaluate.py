@@ -34,11 +34,15 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
+  import jax  # pylint: disable=g-import-not-at-top
+  from logra_jax import parallel  # pylint: disable=g-import-not-at-top
   from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
   from logra_jax.train.loop import evaluate_checkpoint  # pylint: disable=g-import-not-at-top
+  cfg = from_config_dict(_CONFIG.value)
+  layout = parallel.layout_from_config(cfg.mesh)  # the run's mesh, as train.py builds it
   answers = [] if _ANSWERS.value else None
-  out = evaluate_checkpoint(from_config_dict(_CONFIG.value), _WORKDIR.value, _STEP.value,
-                            answers=answers)
+  with jax.set_mesh(layout.mesh):
+    out = evaluate_checkpoint(cfg, _WORKDIR.value, _STEP.value, layout, answers=answers)
   if answers is not None:
     with open(_ANSWERS.value, 'w') as f:
       f.writelines(json.dumps(a, default=str) + '\n' for a in answers)

@@ -84,10 +84,13 @@ def test_eval_max_new_tokens_is_the_held_out_limit(run, monkeypatch):
   assert 0.0 < out['eval_truncation_rate'] <= 1.0
 
 
-def test_a_missing_step_is_named_with_the_steps_there(run):
+def test_a_missing_step_is_named_with_the_steps_there(run, tmp_path):
   cfg, workdir, _, _ = run
   with pytest.raises(ValueError, match=r'no checkpoint of step 3 .*\[2, 4\]'):
     loop.evaluate_checkpoint(cfg, str(workdir), 3)
+  with pytest.raises(ValueError, match='no checkpoints/ in'):  # and creates none there
+    loop.evaluate_checkpoint(cfg, str(tmp_path))
+  assert not os.listdir(tmp_path)
 
 
 def test_the_command_prints_and_writes_one_json_line(run, tmp_path):

@@ -403,6 +403,8 @@ def evaluate_checkpoint(cfg: TrainConfig, workdir: str, step=None, layout=None,
   if cfg.rollout.engine != 'embedded':
     raise ValueError('evaluate_checkpoint runs the embedded engine (config key rollout.engine='
                      f"'embedded'), got {cfg.rollout.engine!r}")
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):  # else the manager creates it
+    raise ValueError(f'no checkpoints/ in {workdir}: not a run directory, or no step saved')
   layout = layout or parallel.layout_from_config(cfg.mesh)
   ckpt = Checkpointer(workdir)
   try:
