@@ -12,7 +12,7 @@ import pytest
 
 from logra_jax.train import loop
 from logra_jax.train.metrics import read_metrics
-from trainer_runs import (assert_trees_equal, format_reward, make_config, quiet,  # noqa: F401
+from trainer_runs import (assert_trees_equal, format_reward, make_config,  # noqa: F401
                           train, trees_differ, xla_cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

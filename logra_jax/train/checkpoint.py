@@ -27,6 +27,11 @@ class Checkpointer:
     self.manager.reload()
     return self.manager.latest_step()
 
+  def steps(self) -> list:
+    """Every saved step, in order."""
+    self.manager.reload()
+    return sorted(self.manager.all_steps())
+
   def save(self, step: int, state: Any, meta: dict):
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)), force=True)

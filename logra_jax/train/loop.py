@@ -409,9 +409,9 @@ def evaluate_checkpoint(cfg: TrainConfig, workdir: str, step=None, layout=None,
   ckpt = Checkpointer(workdir)
   try:
     step = ckpt.latest_step() if step is None else step
-    if step is None or step not in ckpt.manager.all_steps():
+    if step is None or step not in ckpt.steps():
       raise ValueError(f'no checkpoint of step {step} in {ckpt.directory} '
-                       f'(it has {sorted(ckpt.manager.all_steps())})')
+                       f'(it has {ckpt.steps()})')
     checkpoint = tasks.load_checkpoint(cfg)
     task = tasks.build_task(cfg, checkpoint=checkpoint)
     model, model_config, params = tasks.build_model(cfg, task, layout, checkpoint)
