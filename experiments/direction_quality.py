@@ -27,6 +27,15 @@ The candidates (each a dense tree like the params; zero where a method does not 
 
 Writes WORKDIR/direction_quality.json and prints, per candidate, mean ± s.e. of score over
 the pairs and the ratio of LoGRA's mean score to AdamW's. The LAST line is that JSON.
+
+``--objective=form`` (reasoning-gym arithmetic only) scores the same candidates on another
+objective: J_F(θ), the mean over the held-out problems of the log-likelihood (τ = 1, summed
+over the completion's tokens and its stop token) of a correct answer written in form F
+(`FORMS`: AdamW's terse "E equals C." and LoGRA's template "To calculate E, you simply add
+them together: E = C."). gain_F(D) = ⟨∇J_F, D⟩ (∇J_F computed once), q(D) as above on each
+rollout batch's probe rows, one batch per draw (``--pairs`` draws). It asks whether a
+direction moves the answer's form per unit of KL, not the RL loss. ``--loglik_only`` prints
+J_F of the policy and stops; ``--from_step`` picks a checkpoint of ``--from_workdir``.
 """
 import dataclasses
 import json
@@ -48,7 +57,10 @@ from flax import traverse_util  # noqa: E402  pylint: disable=g-import-not-at-to
 from ml_collections import config_flags  # noqa: E402  pylint: disable=g-import-not-at-top
 
 from logra_jax import sketch  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.models.sampler import bucket_size  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.rl.types import GenerationResult  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train import completion, methods, optimizers  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train.rollout import assemble_batch  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train.steps import kl_probe, losses  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
@@ -103,24 +115,94 @@ def adamw_direction(optim, params, grad):
   return u
 
 
-def directions(cfg, params, grad, step: int, key) -> dict:
-  """The candidate updates (dense trees like ``params``) built from batch a's gradient."""
+CANDIDATES = ('dense_gradient', 'adamw', 'logra', 'logra_rank_x4', 'logra_orthogonal',
+              'sketched_gradient', 'random')
+
+
+def directions(cfg, params, grad, step: int, key, names=CANDIDATES) -> dict:
+  """The candidate updates (dense trees like ``params``) built from batch a's gradient;
+  ``names``: which of `CANDIDATES` (each built only when asked for)."""
   flat_g = traverse_util.flatten_dict(grad)
   targets = set(sketch.target_paths(params))
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(key, len(leaves))
-  return {
-      'dense_gradient': jax.tree.map(jnp.negative, grad),
-      'adamw': adamw_direction(cfg.optim, params, grad),
-      'logra': logra_direction(cfg.optim, params, grad, cfg.seed, step),
-      'logra_rank_x4': logra_direction(cfg.optim, params, grad, cfg.seed, step, 4),
-      'logra_orthogonal': logra_direction(cfg.optim, params, grad, cfg.seed, step,
-                                          projection='orthogonal'),
-      'sketched_gradient': _zeros_except(params, {k: -v for k, v in flat_g.items()
-                                                  if k in targets}),
-      'random': jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
-                                          for k, x in zip(keys, leaves)]),
+  build = {
+      'dense_gradient': lambda: jax.tree.map(jnp.negative, grad),
+      'adamw': lambda: adamw_direction(cfg.optim, params, grad),
+      'logra': lambda: logra_direction(cfg.optim, params, grad, cfg.seed, step),
+      'logra_rank_x4': lambda: logra_direction(cfg.optim, params, grad, cfg.seed, step, 4),
+      'logra_orthogonal': lambda: logra_direction(cfg.optim, params, grad, cfg.seed, step,
+                                                  projection='orthogonal'),
+      'sketched_gradient': lambda: _zeros_except(params, {k: -v for k, v in flat_g.items()
+                                                          if k in targets}),
+      'random': lambda: jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
+                                                  for k, x in zip(keys, leaves)]),
   }
+  unknown = set(names) - set(build)
+  if unknown:
+    raise ValueError(f'unknown candidates {sorted(unknown)}; known: {list(CANDIDATES)}')
+  return {n: build[n]() for n in names}
+
+
+# ------------------------------------------------------------------- the form objective
+
+FORMS = {'terse': '{e} equals {c}.',
+         'template': 'To calculate {e}, you simply add them together: {e} = {c}.'}
+
+
+def form_text(form: str, reference) -> str:
+  """A correct answer to a reasoning-gym arithmetic problem (``reference``: the task's
+  reference, with metadata.expression and answer) written in ``form`` (`FORMS`)."""
+  if not (isinstance(reference, dict) and 'expression' in reference.get('metadata', {})):
+    raise ValueError('the form objective needs reasoning-gym arithmetic references '
+                     f'(metadata.expression, answer); got {reference!r:.80}')
+  return FORMS[form].format(e=reference['metadata']['expression'], c=reference['answer'])
+
+
+def form_batch(task, form: str, records):
+  """``records`` answered correctly in ``form``, as a training batch (`assemble_batch`;
+  advantages 0, unused): (batch, prompt_len)."""
+  results = []
+  for i, r in enumerate(records):
+    ids = list(task.tokenizer.encode(form_text(form, task.reference(r)),
+                                     add_special_tokens=False)) + [task.stop_ids[0]]
+    results.append(GenerationResult(str(i), 0, task.prompt_ids(r), ids, [0.0] * len(ids),
+                                    'stop', 0))
+  t = bucket_size(max(len(r.completion_token_ids) for r in results), 8)
+  return assemble_batch(results, np.zeros(len(results)), t, task.pad_id, task.prompt_len)
+
+
+def loglik(model, params, batch, prompt_len):
+  """The mean over rows of each completion's log-likelihood (τ = 1, summed over tokens)."""
+  out = completion.forward(model, {'params': params}, batch, prompt_len)
+  lp = completion.logprobs(model, out, batch['targets'], 1.0)
+  return jnp.mean(jnp.sum(lp * batch['target_mask'], axis=1))
+
+
+def _chunks(batch, chunk: int):
+  n = batch['tokens'].shape[0]
+  if n % chunk:
+    raise ValueError(f'{n} rows do not split into chunks of {chunk}')
+  return [{name: x[i:i + chunk] for name, x in batch.items()} for i in range(0, n, chunk)]
+
+
+def chunked_loglik(model, params, batch, prompt_len, chunk: int) -> float:
+  """`loglik` over ``batch`` in row chunks of ``chunk`` (forward only)."""
+  fn = jax.jit(lambda p, b: loglik(model, p, b, prompt_len))
+  parts = _chunks(batch, chunk)
+  return sum(float(fn(params, b)) for b in parts) / len(parts)
+
+
+def chunked_loglik_and_grad(model, params, batch, prompt_len, chunk: int):
+  """`loglik` and its gradient over ``batch`` in row chunks of ``chunk`` (rows % chunk == 0)."""
+  fn = jax.jit(jax.value_and_grad(lambda p, b: loglik(model, p, b, prompt_len)))
+  parts = _chunks(batch, chunk)
+  value, grad = 0.0, jax.tree.map(jnp.zeros_like, params)
+  for b in parts:
+    v, g = fn(params, b)
+    value = value + float(v) / len(parts)
+    grad = jax.tree.map(lambda a, x: a + x / len(parts), grad, g)
+  return float(value), grad
 
 
 # ---------------------------------------------------------------------------------- scores
@@ -175,8 +257,68 @@ def define_flags():
   config_flags.DEFINE_config_file('config', None, 'A training config (its LoGRA).')
   flags.DEFINE_string('workdir', None, 'Where the probe writes (and its policy runs).')
   flags.DEFINE_string('from_workdir', '', 'A run directory: probe its latest checkpoint.')
-  flags.DEFINE_integer('pairs', 8, 'Batch pairs (2 x pairs rollout batches).')
+  flags.DEFINE_integer('pairs', 8, 'Batch pairs (2 x pairs rollout batches; --objective=form:'
+                       ' pairs batches).')
+  flags.DEFINE_integer('from_step', -1, "--from_workdir's checkpoint to probe (-1: latest).")
+  flags.DEFINE_enum('objective', 'rl', ['rl', 'form'], "rl: another batch's RL loss; form: "
+                    "the log-likelihood of correct held-out answers in each of FORMS' forms.")
+  flags.DEFINE_list('candidates', list(CANDIDATES), 'Which candidate directions to score.')
+  flags.DEFINE_bool('loglik_only', False, 'With --objective=form: print J_F and stop.')
   flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def form_scores(model, params, direction, form_grads, batch_a, prompt_len, temperature,
+                rows) -> dict:
+  """{form: {gain, q, score}}: gain_F = ⟨∇J_F, D⟩, q(D) on batch a's probe rows (one JVP)."""
+  q = kl_coefficient(model, params, direction, batch_a, prompt_len, temperature, rows)
+  out = {}
+  for form, g in form_grads.items():
+    gain = tree_dot(g, direction)
+    out[form] = {'gain': float(gain), 'q': float(q), 'score': float(gain / jnp.sqrt(q))}
+  return out
+
+
+def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=False,
+               chunk: int = 32, log=print) -> dict:
+  """The form objective's probe (module docstring) from the policy in ``workdir``."""
+  from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
+  trainer = loop.Trainer(cfg, workdir, log=lambda *_: None)
+  try:
+    params = trainer.method.policy_params(trainer.state)
+    model, loss_cfg, task = trainer.model, methods.loss_config(cfg), trainer.task
+    records = task.eval_records[:len(task.eval_records) // chunk * chunk]
+    loglik_of, form_grads = {}, {}
+    for form in FORMS:
+      batch, p = form_batch(task, form, records)
+      if loglik_only:  # forward only
+        loglik_of[form] = chunked_loglik(model, params, batch, p, chunk)
+      else:
+        loglik_of[form], form_grads[form] = chunked_loglik_and_grad(model, params, batch, p,
+                                                                    chunk)
+      log(f'J_{form} = {loglik_of[form]:.4f} over {len(records)} held-out problems')
+    out = {'step': int(trainer.step), 'loglik': loglik_of, 'problems': len(records)}
+    if loglik_only:
+      return out
+    form_grads['terse_minus_template'] = jax.tree.map(jnp.subtract, form_grads['terse'],
+                                                      form_grads['template'])
+    temp, rows = cfg.rollout.temperature, cfg.optim.kl_sequences
+    grad = jax.jit(lambda p, b, pl: dense_gradient(model, loss_cfg, p, b, pl),
+                   static_argnums=2)
+    per_draw, t0 = {f: [] for f in form_grads}, trainer.step
+    for i in range(draws):
+      ba, pa = trainer.collect(t0 + i + 1)[:2]
+      ds = directions(cfg, params, grad(params, ba, pa), t0 + i + 1,
+                      jax.random.key(1000 + i), names)
+      scored = {n: form_scores(model, params, d, form_grads, ba, pa, temp, rows)
+                for n, d in ds.items()}
+      for f in form_grads:
+        per_draw[f].append({n: s[f] for n, s in scored.items()})
+      log(f'draw {i}: ' + ', '.join(f"{n} {s['terse_minus_template']['score']:.4g}"
+                                    for n, s in scored.items()))
+  finally:
+    trainer.close()
+  return dict(out, objectives={f: dict(summarize(v), draws=v) for f, v in per_draw.items()},
+              rank=cfg.optim.logra.rank, projection=cfg.optim.logra.projection)
 
 
 def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
@@ -205,25 +347,56 @@ def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
               sketch_optimizer=cfg.optim.logra.sketch_optimizer)
 
 
+def copy_policy(run_dir: str, policy_dir: str, step: int = -1):
+  """A copy of ``run_dir`` (metrics left out) to probe from; ``step`` ≥ 0 keeps only that
+  checkpoint (the trainer resumes from the latest it finds)."""
+  ckpts = os.path.join(run_dir, 'checkpoints')
+  if step >= 0 and not os.path.isdir(os.path.join(ckpts, str(step))):
+    have = sorted(os.listdir(ckpts)) if os.path.isdir(ckpts) else []
+    raise app.UsageError(f'{run_dir} has no checkpoint {step} (it has {have})')
+
+  def ignore(directory, names):
+    drop = set(shutil.ignore_patterns('*.jsonl', 'events*')(directory, names))
+    if step >= 0 and os.path.abspath(directory) == os.path.abspath(ckpts):
+      drop |= {n for n in names if n.isdigit() and int(n) != step}
+    return drop
+  shutil.copytree(run_dir, policy_dir, ignore=ignore)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
   from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
   f = flags.FLAGS
   cfg = from_config_dict(f.config)
-  if cfg.optim.name != 'logra':
+  if cfg.optim.name != 'logra' and not (f.objective == 'form' and f.loglik_only):
     raise app.UsageError('direction_quality.py probes a LoGRA config (optim.name=logra)')
+  if not {'logra', 'adamw'} <= set(f.candidates):
+    raise app.UsageError('--candidates must include logra and adamw (scores are compared)')
   policy_dir = os.path.join(f.workdir, 'policy')
   if f.from_workdir and not os.path.exists(policy_dir):
-    shutil.copytree(f.from_workdir, policy_dir,
-                    ignore=shutil.ignore_patterns('*.jsonl', 'events*'))
+    copy_policy(f.from_workdir, policy_dir, f.from_step)
+  path = os.path.join(f.workdir, 'direction_quality.json')
+  if f.objective == 'form':
+    out = form_probe(cfg, policy_dir, f.pairs, f.candidates, f.loglik_only)
+    for form, o in out.get('objectives', {}).items():
+      for name, s in o['directions'].items():
+        print(f"{form:22s} {name:18s} score {s['score_mean']:.4g} ± "
+              f"{s['score_se'] or float('nan'):.2g}  minus AdamW's (paired) "
+              f"{s['minus_adamw_mean']:.3g} ± {s['minus_adamw_se'] or float('nan'):.2g}")
+      print(f"{form}: LoGRA / AdamW score {o['logra_over_adamw']:.3f}")
+    with open(path, 'w') as fh:
+      json.dump(out, fh, indent=1)
+    print(json.dumps({k: v for k, v in out.items() if k != 'objectives'} | {
+        'logra_over_adamw': {f: o['logra_over_adamw']
+                             for f, o in out.get('objectives', {}).items()}}))
+    return
   out = probe(cfg, policy_dir, f.pairs)
   for name, s in out['directions'].items():
     print(f"{name:18s} score {s['score_mean']:.4g} ± {s['score_se'] or float('nan'):.2g}  "
           f"minus AdamW's (paired) {s['minus_adamw_mean']:.3g} ± "
           f"{s['minus_adamw_se'] or float('nan'):.2g}  q {s['q_mean']:.3g}")
   print(f"LoGRA / AdamW score: {out['logra_over_adamw']:.3f}")
-  path = os.path.join(f.workdir, 'direction_quality.json')
   with open(path, 'w') as f:
     json.dump(out, f, indent=1)
   print(json.dumps({k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank')}))

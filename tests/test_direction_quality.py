@@ -163,3 +163,96 @@ def test_the_logra_candidate_with_a_trained_rest_is_the_trainers_update(two_batc
     scale = max(float(np.max(np.abs(m))), 1e-300)
     np.testing.assert_allclose(np.asarray(flat_d[path]), np.asarray(m), atol=1e-9 * scale,
                                rtol=0, err_msg=str(path))
+
+
+# ------------------------------------------------------------------- the form objective
+
+def _loglik_numpy(model, params, batch):
+  """The mean over rows of Σ_t log softmax(z)[target] · mask, the softmax taken in numpy."""
+  z = np.asarray(completion.forward(model, {'params': params}, batch, P), np.float64)
+  z = z - z.max(-1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  tok = np.take_along_axis(logp, np.asarray(batch['targets'])[..., None], -1)[..., 0]
+  return float((tok * np.asarray(batch['target_mask'])).sum(1).mean())
+
+
+def test_the_form_loglik_and_its_chunked_gradient(setup):  # noqa: F811
+  _, model, params, batch, _ = setup
+  with jax.enable_x64(True):
+    got = float(dq.loglik(model, params, batch, P))
+    value, grad = dq.chunked_loglik_and_grad(model, params, batch, P, chunk=2)
+    forward_only = dq.chunked_loglik(model, params, batch, P, chunk=1)
+    whole = jax.grad(lambda p: dq.loglik(model, p, batch, P))(params)
+    want = _loglik_numpy(model, params, batch)
+  assert got == pytest.approx(want, rel=1e-12)
+  assert value == pytest.approx(got, rel=1e-12)  # chunks of 2 rows average to the whole
+  assert forward_only == pytest.approx(got, rel=1e-12)
+  np.testing.assert_allclose(_flat64(grad), _flat64(whole), rtol=1e-10, atol=1e-14)
+  with pytest.raises(ValueError, match='do not split into chunks of 3'):
+    dq.chunked_loglik_and_grad(model, params, batch, P, chunk=3)
+
+
+def test_form_scores_are_the_dot_over_root_q(two_batches):
+  model, params, batch, ga, gb = two_batches
+  with jax.enable_x64(True):
+    d = jax.tree.map(jnp.negative, ga)
+    got = dq.form_scores(model, params, d, {'x': gb, 'y': ga}, batch, P, TEMP, ROWS)
+    q = dq.score(model, params, d, gb, batch, P, TEMP, ROWS)['q']
+  dot_x = -float(np.dot(_flat64(ga), _flat64(gb)))
+  dot_y = -float(np.dot(_flat64(ga), _flat64(ga)))
+  assert got['x']['gain'] == pytest.approx(dot_x, rel=1e-12)
+  assert got['y']['gain'] == pytest.approx(dot_y, rel=1e-12)
+  assert got['x']['q'] == got['y']['q'] == pytest.approx(q, rel=1e-12)
+  assert got['y']['score'] == pytest.approx(dot_y / np.sqrt(q), rel=1e-12)
+
+
+ARITH = {'question': 'Calculate 58 - 29.', 'answer': '29',
+         'metadata': {'source_dataset': 'basic_arithmetic', 'expression': '58 - 29'}}
+
+
+def test_form_text_writes_a_correct_answer_in_each_form():
+  assert dq.form_text('terse', ARITH) == '58 - 29 equals 29.'
+  assert dq.form_text('template', ARITH) == (
+      'To calculate 58 - 29, you simply add them together: 58 - 29 = 29.')
+  with pytest.raises(ValueError, match='reasoning-gym arithmetic'):
+    dq.form_text('terse', '12')  # tiny's references are plain answers
+
+
+class _Chars:
+  """A tokenizer stand-in: one id per character (ord % 50 + 3), no special tokens."""
+
+  def encode(self, text, add_special_tokens=True):
+    assert not add_special_tokens
+    return [ord(c) % 50 + 3 for c in text]
+
+
+def test_form_batch_is_the_prompt_then_the_answer_and_its_stop():
+  task = dataclasses.make_dataclass('T', ['tokenizer', 'pad_id', 'stop_ids', 'prompt_len'])(
+      _Chars(), 0, (2,), 8)
+  task.prompt_ids = lambda r: r['prompt_ids']
+  task.reference = lambda r: r['reference']
+  records = [{'prompt_ids': [5, 6, 7], 'reference': ARITH},
+             {'prompt_ids': [9] * 8, 'reference': dict(ARITH, answer='30')}]
+  batch, p = dq.form_batch(task, 'terse', records)
+  text = '58 - 29 equals 29.'
+  want = [ord(c) % 50 + 3 for c in text] + [2]
+  assert p == 8 and batch['tokens'].shape[0] == 2
+  np.testing.assert_array_equal(batch['tokens'][0, :p], [0] * 5 + [5, 6, 7])
+  np.testing.assert_array_equal(batch['targets'][0, :len(want)], want)
+  assert batch['target_mask'][0].sum() == len(want) == batch['target_mask'][1].sum()
+  assert batch['targets'].shape[1] % 8 == 0 and batch['targets'].shape[1] >= len(want)
+
+
+def test_copy_policy_keeps_only_the_asked_checkpoint(tmp_path):
+  run = tmp_path / 'run'
+  for s in ('40', '50'):
+    (run / 'checkpoints' / s).mkdir(parents=True)
+    (run / 'checkpoints' / s / 'x').write_text(s)
+  (run / 'metrics.jsonl').write_text('{}')
+  dq.copy_policy(str(run), str(tmp_path / 'p40'), 40)
+  assert sorted(os.listdir(tmp_path / 'p40' / 'checkpoints')) == ['40']
+  assert not (tmp_path / 'p40' / 'metrics.jsonl').exists()
+  dq.copy_policy(str(run), str(tmp_path / 'all'))
+  assert sorted(os.listdir(tmp_path / 'all' / 'checkpoints')) == ['40', '50']
+  with pytest.raises(dq.app.UsageError, match=r"no checkpoint 45 \(it has \['40', '50'\]\)"):
+    dq.copy_policy(str(run), str(tmp_path / 'p45'), 45)
