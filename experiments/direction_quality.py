@@ -347,6 +347,16 @@ def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
               sketch_optimizer=cfg.optim.logra.sketch_optimizer)
 
 
+def print_scores(summary: dict, label: str = ''):
+  """Per candidate: mean ± s.e. of its score, minus AdamW's (paired), its mean q."""
+  nan = float('nan')
+  for name, s in summary['directions'].items():
+    print(f"{label}{name:18s} score {s['score_mean']:.4g} ± {s['score_se'] or nan:.2g}  "
+          f"minus AdamW's (paired) {s['minus_adamw_mean']:.3g} ± "
+          f"{s['minus_adamw_se'] or nan:.2g}  q {s['q_mean']:.3g}")
+  print(f"{label}LoGRA / AdamW score: {summary['logra_over_adamw']:.3f}")
+
+
 def copy_policy(run_dir: str, policy_dir: str, step: int = -1):
   """A copy of ``run_dir`` (metrics left out) to probe from; ``step`` ≥ 0 keeps only that
   checkpoint (the trainer resumes from the latest it finds)."""
@@ -376,30 +386,20 @@ def main(argv):
   policy_dir = os.path.join(f.workdir, 'policy')
   if f.from_workdir and not os.path.exists(policy_dir):
     copy_policy(f.from_workdir, policy_dir, f.from_step)
-  path = os.path.join(f.workdir, 'direction_quality.json')
   if f.objective == 'form':
     out = form_probe(cfg, policy_dir, f.pairs, f.candidates, f.loglik_only)
-    for form, o in out.get('objectives', {}).items():
-      for name, s in o['directions'].items():
-        print(f"{form:22s} {name:18s} score {s['score_mean']:.4g} ± "
-              f"{s['score_se'] or float('nan'):.2g}  minus AdamW's (paired) "
-              f"{s['minus_adamw_mean']:.3g} ± {s['minus_adamw_se'] or float('nan'):.2g}")
-      print(f"{form}: LoGRA / AdamW score {o['logra_over_adamw']:.3f}")
-    with open(path, 'w') as fh:
-      json.dump(out, fh, indent=1)
-    print(json.dumps({k: v for k, v in out.items() if k != 'objectives'} | {
-        'logra_over_adamw': {f: o['logra_over_adamw']
-                             for f, o in out.get('objectives', {}).items()}}))
-    return
-  out = probe(cfg, policy_dir, f.pairs)
-  for name, s in out['directions'].items():
-    print(f"{name:18s} score {s['score_mean']:.4g} ± {s['score_se'] or float('nan'):.2g}  "
-          f"minus AdamW's (paired) {s['minus_adamw_mean']:.3g} ± "
-          f"{s['minus_adamw_se'] or float('nan'):.2g}  q {s['q_mean']:.3g}")
-  print(f"LoGRA / AdamW score: {out['logra_over_adamw']:.3f}")
-  with open(path, 'w') as f:
-    json.dump(out, f, indent=1)
-  print(json.dumps({k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank')}))
+    for form, summary in out.get('objectives', {}).items():
+      print_scores(summary, f'{form}: ')
+    last = {k: v for k, v in out.items() if k != 'objectives'}
+    last['logra_over_adamw'] = {form: o['logra_over_adamw']
+                                for form, o in out.get('objectives', {}).items()}
+  else:
+    out = probe(cfg, policy_dir, f.pairs)
+    print_scores(out)
+    last = {k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank')}
+  with open(os.path.join(f.workdir, 'direction_quality.json'), 'w') as fh:
+    json.dump(out, fh, indent=1)
+  print(json.dumps(last))
 
 
 if __name__ == '__main__':
