@@ -381,6 +381,10 @@ def main(argv):
   cfg = from_config_dict(f.config)
   if cfg.optim.name != 'logra' and not (f.objective == 'form' and f.loglik_only):
     raise app.UsageError('direction_quality.py probes a LoGRA config (optim.name=logra)')
+  if f.loglik_only and f.objective != 'form':
+    raise app.UsageError('--loglik_only is a mode of --objective=form')
+  if f.from_step >= 0 and not f.from_workdir:
+    raise app.UsageError('--from_step picks a checkpoint of --from_workdir, which is not set')
   if not {'logra', 'adamw'} <= set(f.candidates):
     raise app.UsageError('--candidates must include logra and adamw (scores are compared)')
   policy_dir = os.path.join(f.workdir, 'policy')
