@@ -235,7 +235,20 @@ def machine_free(resolved: dict) -> dict:
   return dict(resolved, model=dict(model, path=os.path.basename(model['path'])))
 
 
-def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None) -> tuple:
+def with_defaults(resolved: dict, defaults: dict) -> dict:
+  """A resolved config with the keys it lacks taken from ``defaults`` (the whole default
+  config, as JSON): a key added to the schema after a run, at its default, is what it ran."""
+  out = dict(resolved)
+  for key, value in defaults.items():
+    if key not in out:
+      out[key] = value
+    elif isinstance(value, dict) and isinstance(out[key], dict):
+      out[key] = with_defaults(out[key], value)
+  return out
+
+
+def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None,
+               defaults: dict | None = None) -> tuple:
   """({arm: {seed: run}} of ``prior`` (a results.json) this study may count, [skipped arms]).
 
   Only arms that ran what this study's arm runs, and seeds of this study, are taken: where
@@ -243,11 +256,13 @@ def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None
   ``resolved`` has it, the two must be equal (a changed base config counts, a re-spelt
   override does not); else its overrides must equal this study's (as JSON). Each run is
   marked ``prior: True``. A model file is compared by its name: its directory is the
-  machine's (a virtual environment's site-packages), not the model."""
+  machine's (a virtual environment's site-packages), not the model. A key the prior's config
+  lacks (added to the schema since) counts as its value in ``defaults``, where given."""
   if prior.get('task') != task:
     raise ValueError(f'--prior: a results.json of task {prior.get("task")!r}, not {task!r}')
   canon = lambda o: json.dumps(o, sort_keys=True)
-  then = {a: machine_free(c) for a, c in prior.get('resolved_configs', {}).items()}
+  then = {a: machine_free(with_defaults(c, defaults or {}))
+          for a, c in prior.get('resolved_configs', {}).items()}
   now = {a: machine_free(c) for a, c in (resolved or {}).items()}
   out, skipped = {}, []
   for arm, runs in prior.get('runs', {}).items():
@@ -432,7 +447,9 @@ def main(argv):
   resolved = resolved_configs(cfgs)
   prior, skipped = ({}, [])
   if flags.FLAGS.prior:
-    prior, skipped = prior_runs(json.load(open(flags.FLAGS.prior)), task, study, resolved)
+    defaults = resolved_configs({'': config_lib.TrainConfig()})['']
+    prior, skipped = prior_runs(json.load(open(flags.FLAGS.prior)), task, study, resolved,
+                                defaults)
     if skipped:
       print(f'--prior: not imported (defined otherwise there): {skipped}')
   total = {arm: c.total_steps for arm, c in cfgs.items()}

@@ -138,6 +138,30 @@ def test_a_prior_with_whole_configs_is_judged_by_them():
   assert skipped == ['pinned'] and set(got) == {'same_keys'}
 
 
+def test_a_key_added_since_the_prior_ran_counts_at_its_default():
+  """A prior recorded before a key existed ran that key's default: its arm is taken when the
+  arm now sets the default, refused when it sets another value."""
+  run = {'final': 0.5, 'best': 0.5, 'curve': [(0, 0.1), (5, 0.5)]}
+  old = {'optim': {'logra': {'momentum': 0.9}}, 'seed': 0}
+  now = lambda keep, extra: {'optim': {'logra': {'momentum': 0.9, 'extra': extra}}, 'seed': 0,
+                             'keep_checkpoints': keep}
+  defaults = {'optim': {'logra': {'momentum': 0.0, 'extra': 1}}, 'seed': 0,
+              'keep_checkpoints': 2}
+  study = {'arms': {'default': {}, 'other': {}, 'nested': {}}, 'seeds': [0]}
+  prior = {'task': 'tiny', 'study': study,
+           'resolved_configs': {'default': old, 'other': old, 'nested': old},
+           'runs': {'default': {'0': run}, 'other': {'0': run}, 'nested': {'0': run}}}
+  got, skipped = compare_methods.prior_runs(
+      prior, 'tiny', study, {'default': now(2, 1), 'other': now(0, 1), 'nested': now(2, 3)},
+      defaults)
+  assert set(got) == {'default'} and skipped == ['other', 'nested']
+  # The recorded value wins over the default (momentum 0.9 is not filled with 0.0).
+  assert compare_methods.with_defaults(old, defaults)['optim']['logra']['momentum'] == 0.9
+  # Without defaults a key the prior lacks makes the arm differ (as before).
+  assert compare_methods.prior_runs(prior, 'tiny', study, {'default': now(2, 1)})[1] == [
+      'default']
+
+
 def test_a_prior_from_another_machine_is_judged_without_its_model_directory():
   """The same GGUF under another machine's site-packages (or a docs/ copy with the machine's
   prefix stripped) is the same model; another model file is not."""

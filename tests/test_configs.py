@@ -345,6 +345,7 @@ def test_unknown_key_is_named_with_the_closest_valid_one():
     ('rollout__u_dtype', 'fp16', r"rollout\.u_dtype='fp16' must be one of"),
     ('rollout__launch', -1, r'rollout\.launch and rollout\.full_sync_every must be >= 0'),
     ('eval__max_new_tokens', -1, r'eval\.max_new_tokens must be >= 0'),
+    ('keep_checkpoints', -1, r'keep_checkpoints must be >= 0 \(0: every checkpoint\)'),
 ])
 def test_bad_values_name_the_key(key, value, pattern):
   with pytest.raises(ValueError, match=pattern):

@@ -150,6 +150,16 @@ def test_crash_while_checkpointing_keeps_the_previous_checkpoint(tmp_path, monke
   assert Checkpointer(str(tmp_path)).latest_step() == 2
 
 
+@pytest.mark.parametrize('keep, kept', [(0, [1, 2, 3]), (2, [2, 3])])
+def test_keep_checkpoints_keeps_the_newest_or_every_one(keep, kept, tmp_path):
+  """keep_checkpoints=0 keeps a checkpoint of every checkpoint_every step (a run probed at
+  each of them); the default keeps the newest two; reopening a run deletes none."""
+  train(make_config(total_steps=3, eval_every=3, checkpoint_every=1, keep_checkpoints=keep),
+        tmp_path)
+  assert Checkpointer(str(tmp_path)).steps() == kept
+  assert Checkpointer(str(tmp_path), max_to_keep=1).steps() == kept
+
+
 # ------------------------------------------------------------- methods, metrics, NaN guard
 
 def check_rows(rows, name, cfg):

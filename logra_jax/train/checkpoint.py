@@ -2,7 +2,8 @@
 
 Saved every `checkpoint_every` steps and at the end: `state` (params, optimizer state and,
 for LoRA, the adapters: a pytree of arrays) and `meta` (JSON: step, data-iterator state,
-advantage-baseline state, mismatch EMA, RNG seed). Orbax writes each step into a temporary
+advantage-baseline state, mismatch EMA, RNG seed). The newest `keep_checkpoints` are kept (0:
+all of them, e.g. to probe a run at every checkpoint). Orbax writes each step into a temporary
 directory and commits it with a rename, so a crash while writing leaves the previous
 checkpoint as the latest valid one.
 """
@@ -14,9 +15,13 @@ import orbax.checkpoint as ocp
 
 
 class Checkpointer:
-  """Thin wrapper over `ocp.CheckpointManager` with a fixed item layout."""
+  """Thin wrapper over `ocp.CheckpointManager` with a fixed item layout.
 
-  def __init__(self, workdir: str, max_to_keep: int = 2):
+  ``max_to_keep``: how many of the newest checkpoints a save keeps (None: all); opening a
+  run's checkpoints to read them deletes none.
+  """
+
+  def __init__(self, workdir: str, max_to_keep: Optional[int] = 2):
     self.directory = os.path.abspath(os.path.join(workdir, 'checkpoints'))
     self.manager = ocp.CheckpointManager(
         self.directory,

@@ -240,6 +240,7 @@ class TrainConfig:
   total_steps: int = 100
   eval_every: int = 20
   checkpoint_every: int = 50
+  keep_checkpoints: int = 2  # the newest N checkpoints kept (0: every one)
   seed: int = 0
 
   def __post_init__(self):
@@ -312,6 +313,9 @@ def _check(cfg: TrainConfig):
   if lg.kl_budget_final < 0:
     raise ValueError(f'config key optim.logra.kl_budget_final must be >= 0, '
                      f'got {lg.kl_budget_final}')
+  if cfg.keep_checkpoints < 0:
+    raise ValueError(f'config key keep_checkpoints must be >= 0 (0: every checkpoint), '
+                     f'got {cfg.keep_checkpoints}')
   if cfg.optim.telemetry_every < 0:
     raise ValueError(f'config key optim.telemetry_every must be >= 0 (0: never), '
                      f'got {cfg.optim.telemetry_every}')

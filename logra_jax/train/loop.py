@@ -163,7 +163,7 @@ class Trainer:
     lg = cfg.optim.logra  # the budget sizes LoGRA's steps (the dense methods ignore it)
     self.budget = sketch.kl_budget_schedule(lg.kl_budget_init, lg.kl_budget_final,
                                             lg.kl_budget_steps)
-    self.ckpt = Checkpointer(workdir)
+    self.ckpt = Checkpointer(workdir, max_to_keep=cfg.keep_checkpoints or None)
     self.scorer = reward_scorer(cfg)
     self._ref_fns = {}
     self.step, resumed = self._restore_or_init(params)
