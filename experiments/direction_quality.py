@@ -35,7 +35,9 @@ over the completion's tokens and its stop token) of a correct answer written in 
 them together: E = C."). gain_F(D) = ⟨∇J_F, D⟩ (∇J_F computed once), q(D) as above on each
 rollout batch's probe rows, one batch per draw (``--pairs`` draws). It asks whether a
 direction moves the answer's form per unit of KL, not the RL loss. ``--loglik_only`` prints
-J_F of the policy and stops; ``--from_step`` picks a checkpoint of ``--from_workdir``.
+J_F of the policy and stops; ``--from_step`` picks a checkpoint of ``--from_workdir``;
+``--from_steps=5,10,...`` (with ``--loglik_only``) prints J_F of each of those checkpoints,
+read in place with the model built once, and writes WORKDIR/form_logliks.json.
 """
 import dataclasses
 import json
@@ -186,11 +188,17 @@ def _chunks(batch, chunk: int):
   return [{name: x[i:i + chunk] for name, x in batch.items()} for i in range(0, n, chunk)]
 
 
-def chunked_loglik(model, params, batch, prompt_len, chunk: int) -> float:
-  """`loglik` over ``batch`` in row chunks of ``chunk`` (forward only)."""
-  fn = jax.jit(lambda p, b: loglik(model, p, b, prompt_len))
+def loglik_fn(model):
+  """`loglik` jitted for ``model`` (prompt_len static): one compile for many policies."""
+  return jax.jit(lambda p, b, prompt_len: loglik(model, p, b, prompt_len), static_argnums=2)
+
+
+def chunked_loglik(model, params, batch, prompt_len, chunk: int, fn=None) -> float:
+  """`loglik` over ``batch`` in row chunks of ``chunk`` (forward only); ``fn``: a
+  `loglik_fn(model)` to reuse (default: a new one)."""
+  fn = fn or loglik_fn(model)
   parts = _chunks(batch, chunk)
-  return sum(float(fn(params, b)) for b in parts) / len(parts)
+  return sum(float(fn(params, b, prompt_len)) for b in parts) / len(parts)
 
 
 def chunked_loglik_and_grad(model, params, batch, prompt_len, chunk: int):
@@ -264,6 +272,8 @@ def define_flags():
                     "the log-likelihood of correct held-out answers in each of FORMS' forms.")
   flags.DEFINE_list('candidates', list(CANDIDATES), 'Which candidate directions to score.')
   flags.DEFINE_bool('loglik_only', False, 'With --objective=form: print J_F and stop.')
+  flags.DEFINE_list('from_steps', [], "With --loglik_only: J_F at each of these checkpoints of "
+                    "--from_workdir, read in place (no copy; the model built once).")
   flags.mark_flags_as_required(['config', 'workdir'])
 
 
@@ -319,6 +329,26 @@ def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=Fals
     trainer.close()
   return dict(out, objectives={f: dict(summarize(v), draws=v) for f, v in per_draw.items()},
               rank=cfg.optim.logra.rank, projection=cfg.optim.logra.projection)
+
+
+def form_logliks(cfg, run_dir: str, steps, chunk: int = 32, log=print) -> list:
+  """J_F (every form of `FORMS`) of the policy in each of ``steps``' checkpoints of
+  ``run_dir``, read in place (nothing copied or written there; the model built and the
+  forward compiled once): [{'step', 'loglik': {form: J_F}, 'problems'}], in ``steps``' order."""
+  from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
+  steps = loop.checkpoint_steps(run_dir, steps)
+  task, model, _, policy_at = loop.checkpoint_policies(cfg, run_dir)
+  records = task.eval_records[:len(task.eval_records) // chunk * chunk]
+  batches = {form: form_batch(task, form, records) for form in FORMS}
+  fn, out = loglik_fn(model), []
+  for step in steps:
+    params = policy_at(step)
+    ll = {form: chunked_loglik(model, params, b, p, chunk, fn)
+          for form, (b, p) in batches.items()}
+    log(f'step {step}: ' + ', '.join(f'J_{f} = {v:.4f}' for f, v in ll.items()) +
+        f' over {len(records)} held-out problems')
+    out.append({'step': int(step), 'loglik': ll, 'problems': len(records)})
+  return out
 
 
 def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
@@ -387,6 +417,16 @@ def main(argv):
     raise app.UsageError('--from_step picks a checkpoint of --from_workdir, which is not set')
   if not {'logra', 'adamw'} <= set(f.candidates):
     raise app.UsageError('--candidates must include logra and adamw (scores are compared)')
+  if f.from_steps:
+    if not (f.loglik_only and f.from_workdir) or f.from_step >= 0:
+      raise app.UsageError('--from_steps is a mode of --loglik_only with --from_workdir '
+                           '(and without --from_step)')
+    out = form_logliks(cfg, f.from_workdir, [int(s) for s in f.from_steps])
+    os.makedirs(f.workdir, exist_ok=True)
+    with open(os.path.join(f.workdir, 'form_logliks.json'), 'w') as fh:
+      json.dump(out, fh, indent=1)
+    print(json.dumps(out))
+    return
   policy_dir = os.path.join(f.workdir, 'policy')
   if f.from_workdir and not os.path.exists(policy_dir):
     copy_policy(f.from_workdir, policy_dir, f.from_step)

@@ -10,12 +10,16 @@ import sys
 import jax
 import pytest
 
-from logra_jax.train import loop
+from logra_jax.data import tiny_task
+from logra_jax.train import loop, tasks
 from logra_jax.train.metrics import read_metrics
 from trainer_runs import (assert_trees_equal, format_reward, make_config,  # noqa: F401
                           train, trees_differ, xla_cache)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+import direction_quality as dq  # noqa: E402  pylint: disable=g-import-not-at-top
+
 EVAL_KEYS = ('eval_accuracy', 'eval_pass_at_k', 'eval_truncation_rate')
 
 
@@ -72,6 +76,47 @@ def test_it_repeats_the_logged_evaluation_from_the_restored_policy(run, monkeypa
   assert_trees_equal(seen['params'][1], final)
   assert trees_differ(seen['params'][0], final)
   assert set(seen['limits']) == {cfg.rollout.max_new_tokens}
+
+
+def test_checkpoint_policies_reads_each_step_with_one_model(run, monkeypatch):
+  """policy_at(step) is that checkpoint's policy (step 4's: the run's final one), the model is
+  built once for both, and nothing in the run's folder changes."""
+  cfg, workdir, _, final = run
+  builds = []
+  real = tasks.build_model
+  monkeypatch.setattr(tasks, 'build_model', lambda *a, **k: builds.append(1) or real(*a, **k))
+  before = files(workdir)
+  with jax.enable_x64(False):
+    assert loop.checkpoint_steps(str(workdir), [4, None, 2]) == [4, 4, 2]
+    _, _, _, policy_at = loop.checkpoint_policies(cfg, str(workdir))
+    at = {s: jax.device_get(policy_at(s)) for s in (2, 4)}
+  assert files(workdir) == before and len(builds) == 1
+  assert_trees_equal(at[4], final)
+  assert trees_differ(at[2], final)
+
+
+def test_form_logliks_in_place_equal_the_probes_from_a_copied_policy(run, monkeypatch,
+                                                                    tmp_path):
+  """direction_quality's --from_steps path (one model, checkpoints read in place) gives each
+  step the J_F that --from_step's path (the policy copied, a Trainer resumed from it) gives,
+  exactly. The tiny task is no arithmetic and its tokenizer knows digits and '+=-* ' only:
+  the forms' answers here are 'C' and 'C = C', through the real form_batch."""
+  cfg, workdir, _, _ = run
+  texts = {'terse': '{c}', 'template': '{c} = {c}'}
+  monkeypatch.setattr(dq, 'form_text', lambda form, ref: texts[form].format(c=ref))
+  encode = tiny_task.CharTokenizer.encode
+  monkeypatch.setattr(tiny_task.CharTokenizer, 'encode',  # the HF keyword form_batch passes
+                      lambda self, text, add_special_tokens=False, **kw: encode(self, text, **kw))
+  with jax.enable_x64(False):
+    got = dq.form_logliks(cfg, str(workdir), [2, 4], chunk=4, log=lambda *_: None)
+    for row in got:
+      dq.copy_policy(str(workdir), str(tmp_path / str(row['step'])), row['step'])
+      want = dq.form_probe(cfg, str(tmp_path / str(row['step'])), 0, loglik_only=True,
+                           chunk=4, log=lambda *_: None)
+      assert row == {'step': want['step'], 'loglik': want['loglik'], 'problems': 8}
+  assert [r['step'] for r in got] == [2, 4]
+  assert got[0]['loglik'] != got[1]['loglik']  # the two policies differ
+  assert set(got[0]['loglik']) == set(dq.FORMS)
 
 
 def test_eval_max_new_tokens_is_the_held_out_limit(run, monkeypatch):

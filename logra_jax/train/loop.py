@@ -392,6 +392,46 @@ def train(cfg: TrainConfig, workdir: str, progress: bool = True, log=print, layo
   return trainer
 
 
+def checkpoint_steps(workdir: str, steps) -> list:
+  """``steps`` of ``workdir``'s checkpoints (None: the latest), each checked to exist; an error
+  names the steps the run has. Reads only (a folder without checkpoints/ stays as it was)."""
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):  # else the manager creates it
+    raise ValueError(f'no checkpoints/ in {workdir}: not a run directory, or no step saved')
+  ckpt = Checkpointer(workdir)  # it never saves here, so it deletes none
+  try:
+    have = ckpt.steps()
+  finally:
+    ckpt.close()
+  out = [have[-1] if s is None and have else s for s in steps]
+  for s in out:
+    if s not in have:
+      raise ValueError(f'no checkpoint of step {s} in {ckpt.directory} (it has {have})')
+  return out
+
+
+def checkpoint_policies(cfg: TrainConfig, workdir: str, layout=None):
+  """(task, model, model_config, policy_at) to read ``workdir``'s checkpoints without writing
+  there: the task and model are built once; ``policy_at(step)`` restores that checkpoint (a
+  step `checkpoint_steps` returned) and returns its policy params."""
+  layout = layout or parallel.layout_from_config(cfg.mesh)
+  checkpoint = tasks.load_checkpoint(cfg)
+  task = tasks.build_task(cfg, checkpoint=checkpoint)
+  model, model_config, params = tasks.build_model(cfg, task, layout, checkpoint)
+  del checkpoint
+  method = get_method(cfg, model, layout)
+  state = method.init(params)
+  like = checkpoint_like(state, advantage_estimator(cfg), reference_policy(cfg, method, state))
+
+  def policy_at(step: int):
+    reader = Checkpointer(workdir)
+    try:
+      restored, _ = reader.restore(step, like)
+    finally:
+      reader.close()
+    return method.policy_params(restored['method'])
+  return task, model, model_config, policy_at
+
+
 def evaluate_checkpoint(cfg: TrainConfig, workdir: str, step=None, layout=None,
                         answers=None) -> dict:
   """The held-out evaluation of the policy in ``workdir``'s checkpoint of ``step`` (None: the
@@ -403,27 +443,10 @@ def evaluate_checkpoint(cfg: TrainConfig, workdir: str, step=None, layout=None,
   if cfg.rollout.engine != 'embedded':
     raise ValueError('evaluate_checkpoint runs the embedded engine (config key rollout.engine='
                      f"'embedded'), got {cfg.rollout.engine!r}")
-  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):  # else the manager creates it
-    raise ValueError(f'no checkpoints/ in {workdir}: not a run directory, or no step saved')
-  layout = layout or parallel.layout_from_config(cfg.mesh)
-  ckpt = Checkpointer(workdir)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None or step not in ckpt.steps():
-      raise ValueError(f'no checkpoint of step {step} in {ckpt.directory} '
-                       f'(it has {ckpt.steps()})')
-    checkpoint = tasks.load_checkpoint(cfg)
-    task = tasks.build_task(cfg, checkpoint=checkpoint)
-    model, model_config, params = tasks.build_model(cfg, task, layout, checkpoint)
-    del checkpoint
-    method = get_method(cfg, model, layout)
-    state = method.init(params)
-    restored, _ = ckpt.restore(step, checkpoint_like(
-        state, advantage_estimator(cfg), reference_policy(cfg, method, state)))
-  finally:
-    ckpt.close()
-  generator = GENERATORS['embedded'](cfg, workdir, model_config,
-                                     method.policy_params(restored['method']), step, task.pad_id)
+  step, = checkpoint_steps(workdir, [step])
+  task, _, model_config, policy_at = checkpoint_policies(cfg, workdir, layout)
+  generator = GENERATORS['embedded'](cfg, workdir, model_config, policy_at(step), step,
+                                     task.pad_id)
   scorer = reward_scorer(cfg)
   try:
     out = evaluate(task, generator, scorer, cfg, step, answers)
