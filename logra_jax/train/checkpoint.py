@@ -14,6 +14,12 @@ import jax
 import orbax.checkpoint as ocp
 
 
+def abstract_like(tree: Any) -> Any:
+  """``tree``'s structure, shapes, dtypes and shardings, without its arrays (a restore's target;
+  an abstract tree is returned as it is)."""
+  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+
+
 class Checkpointer:
   """Thin wrapper over `ocp.CheckpointManager` with a fixed item layout.
 
@@ -44,9 +50,8 @@ class Checkpointer:
 
   def restore(self, step: int, like: Any):
     """(state, meta) at ``step``; ``like`` gives the state's structure, shapes and dtypes."""
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        state=ocp.args.StandardRestore(abstract_like(like)), meta=ocp.args.JsonRestore()))
     return out['state'], out['meta']
 
   def close(self):

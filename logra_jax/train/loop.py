@@ -23,7 +23,7 @@ from logra_jax.rl.advantages import get_advantage_fn
 from logra_jax.rl.rewards import RewardScorer
 from logra_jax.rl.types import GenerationRequest, SamplingParams
 from logra_jax.train import host_memory, steps, summary, tasks, warm_start_cache
-from logra_jax.train.checkpoint import Checkpointer
+from logra_jax.train.checkpoint import Checkpointer, abstract_like
 from logra_jax.train.fleet import FleetGenerator
 from logra_jax.train.config import TrainConfig
 from logra_jax.train.methods import get_method, prompt_group
@@ -420,7 +420,9 @@ def checkpoint_policies(cfg: TrainConfig, workdir: str, layout=None):
   del checkpoint
   method = get_method(cfg, model, layout)
   state = method.init(params)
-  like = checkpoint_like(state, advantage_estimator(cfg), reference_policy(cfg, method, state))
+  # Only the layout is kept: the initial state's arrays are freed once this returns.
+  like = abstract_like(checkpoint_like(state, advantage_estimator(cfg),
+                                       reference_policy(cfg, method, state)))
 
   def policy_at(step: int):
     reader = Checkpointer(workdir)
