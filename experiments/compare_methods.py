@@ -226,27 +226,6 @@ def resolved_configs(cfgs: dict) -> dict:
           for arm, c in cfgs.items()}
 
 
-def machine_free(resolved: dict) -> dict:
-  """A resolved config (`resolved_configs`) with its model file named by its base name only:
-  the same GGUF installed on two machines (or copied into docs/) is the same model."""
-  model = resolved.get('model')
-  if not isinstance(model, dict) or not model.get('path'):
-    return resolved
-  return dict(resolved, model=dict(model, path=os.path.basename(model['path'])))
-
-
-def with_defaults(resolved: dict, defaults: dict) -> dict:
-  """A resolved config with the keys it lacks taken from ``defaults`` (the whole default
-  config, as JSON): a key added to the schema after a run, at its default, is what it ran."""
-  out = dict(resolved)
-  for key, value in defaults.items():
-    if key not in out:
-      out[key] = value
-    elif isinstance(value, dict) and isinstance(out[key], dict):
-      out[key] = with_defaults(out[key], value)
-  return out
-
-
 def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None,
                defaults: dict | None = None) -> tuple:
   """({arm: {seed: run}} of ``prior`` (a results.json) this study may count, [skipped arms]).
@@ -258,12 +237,13 @@ def prior_runs(prior: dict, task: str, study: dict, resolved: dict | None = None
   marked ``prior: True``. A model file is compared by its name: its directory is the
   machine's (a virtual environment's site-packages), not the model. A key the prior's config
   lacks (added to the schema since) counts as its value in ``defaults``, where given."""
+  from logra_jax.train import config as config_lib  # pylint: disable=g-import-not-at-top
   if prior.get('task') != task:
     raise ValueError(f'--prior: a results.json of task {prior.get("task")!r}, not {task!r}')
   canon = lambda o: json.dumps(o, sort_keys=True)
-  then = {a: machine_free(with_defaults(c, defaults or {}))
+  then = {a: config_lib.machine_free(config_lib.with_defaults(c, defaults or {}))
           for a, c in prior.get('resolved_configs', {}).items()}
-  now = {a: machine_free(c) for a, c in (resolved or {}).items()}
+  now = {a: config_lib.machine_free(c) for a, c in (resolved or {}).items()}
   out, skipped = {}, []
   for arm, runs in prior.get('runs', {}).items():
     if arm not in study['arms']:

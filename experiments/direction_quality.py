@@ -5,8 +5,12 @@ r"""Which update direction buys the most reward per unit of KL? A probe without 
 
 From the policy of a real run (``--from_workdir``: its latest checkpoint, copied; else the
 config's starting policy, after its warm start), the trainer draws 2 x ``pairs`` rollout
-batches (`loop.Trainer.collect`: rollouts, rewards, advantages; the policy never moves). For
-each pair (a, b) and each candidate update direction D built from batch a:
+batches (`loop.Trainer.collect`: rollouts, rewards, advantages; the policy never moves). The
+run may be of any method (an AdamW run's too): its checkpoint is restored under its own optim
+section (`probe_config`), so the batches are those the run would draw next; the candidates
+follow ``--config``. A pair with a batch without a non-zero advantage is skipped and counted
+(`has_advantage`). For each pair (a, b) and each candidate update direction D built from
+batch a:
 
   gain(D)  = −⟨∇L_b, D⟩          the first-order decrease of batch b's RL loss along D
   q(D)     = the predicted-KL coefficient of D on batch a's KL-probe rows (a JVP, as the
@@ -62,6 +66,7 @@ from logra_jax import sketch  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.models.sampler import bucket_size  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.rl.types import GenerationResult  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train import completion, methods, optimizers  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train import config as config_lib  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train.rollout import assemble_batch  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train.steps import kl_probe, losses  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -264,7 +269,8 @@ def define_flags():
   """The command line's flags (defined when run as a script, not when imported)."""
   config_flags.DEFINE_config_file('config', None, 'A training config (its LoGRA).')
   flags.DEFINE_string('workdir', None, 'Where the probe writes (and its policy runs).')
-  flags.DEFINE_string('from_workdir', '', 'A run directory: probe its latest checkpoint.')
+  flags.DEFINE_string('from_workdir', '', 'A run directory (any method): probe its latest '
+                     'checkpoint.')
   flags.DEFINE_integer('pairs', 8, 'Batch pairs (2 x pairs rollout batches; --objective=form:'
                        ' pairs batches).')
   flags.DEFINE_integer('from_step', -1, "--from_workdir's checkpoint to probe (-1: latest).")
@@ -275,6 +281,40 @@ def define_flags():
   flags.DEFINE_list('from_steps', [], "With --loglik_only: J_F at each of these checkpoints of "
                     "--from_workdir, read in place (no copy; the model built once).")
   flags.mark_flags_as_required(['config', 'workdir'])
+
+
+# The sections a probe's batches come from: --config's must be the probed run's.
+COLLECTION_SECTIONS = ('model', 'data', 'rollout', 'reward', 'rl', 'warm_start', 'seed')
+
+
+def probe_config(cfg, workdir: str):
+  """The config the probe's trainer restores ``workdir``'s policy under: ``cfg`` with the
+  optim section of the run copied there (its run_info.json; without one, ``cfg``). So a probe
+  starts from any method's checkpoint (an AdamW run's optimizer state is not LoGRA's) and
+  draws the batches that run would draw next (its data order and advantage state); the
+  candidates are built under ``cfg``. Every key of `COLLECTION_SECTIONS` must be the run's."""
+  path = os.path.join(workdir, 'run_info.json')
+  if not os.path.exists(path):
+    return cfg
+  with open(path) as f:
+    ran = config_lib.recorded_config(json.load(f)['config'])
+  flat = lambda c: traverse_util.flatten_dict(config_lib.machine_free(
+      json.loads(json.dumps(dataclasses.asdict(c)))), sep='.')
+  mine, theirs = flat(cfg), flat(ran)
+  differ = [f'{k}={mine[k]!r} (the run: {theirs[k]!r})' for k in mine
+            if k.split('.')[0] in COLLECTION_SECTIONS and mine[k] != theirs[k]]
+  if differ:
+    raise ValueError(f'--config differs from the probed run ({path}) where its batches come '
+                     f"from: {', '.join(differ)}; pass the run's values (e.g. --config.seed)")
+  return dataclasses.replace(cfg, optim=ran.optim)
+
+
+def has_advantage(batch) -> bool:
+  """Whether a rollout batch has a non-zero advantage. Without one the RL loss's policy term
+  has no gradient: every RL direction built from the batch is zero (gain 0, q 0, score 0/0),
+  and as the other batch of a pair its gain is 0 whatever the direction. The probes skip and
+  count such draws: a rule fixed by the batch, before any score."""
+  return bool(np.any(np.asarray(batch['advantages']) != 0))
 
 
 def form_scores(model, params, direction, form_grads, batch_a, prompt_len, temperature,
@@ -292,7 +332,7 @@ def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=Fals
                chunk: int = 32, log=print) -> dict:
   """The form objective's probe (module docstring) from the policy in ``workdir``."""
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
-  trainer = loop.Trainer(cfg, workdir, log=lambda *_: None)
+  trainer = loop.Trainer(probe_config(cfg, workdir), workdir, log=lambda *_: None)
   try:
     params = trainer.method.policy_params(trainer.state)
     model, loss_cfg, task = trainer.model, methods.loss_config(cfg), trainer.task
@@ -314,9 +354,13 @@ def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=Fals
     temp, rows = cfg.rollout.temperature, cfg.optim.kl_sequences
     grad = jax.jit(lambda p, b, pl: dense_gradient(model, loss_cfg, p, b, pl),
                    static_argnums=2)
-    per_draw, t0 = {f: [] for f in form_grads}, trainer.step
+    per_draw, t0, skipped = {f: [] for f in form_grads}, trainer.step, []
     for i in range(draws):
       ba, pa = trainer.collect(t0 + i + 1)[:2]
+      if not has_advantage(ba):
+        skipped.append(i)
+        log(f'draw {i}: skipped (no non-zero advantage in its batch)')
+        continue
       ds = directions(cfg, params, grad(params, ba, pa), t0 + i + 1,
                       jax.random.key(1000 + i), names)
       scored = {n: form_scores(model, params, d, form_grads, ba, pa, temp, rows)
@@ -327,8 +371,12 @@ def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=Fals
                                     for n, s in scored.items()))
   finally:
     trainer.close()
+  if len(skipped) == draws:
+    raise ValueError(f'no draw of {draws} had a batch with a non-zero advantage: nothing '
+                     'to score (more --pairs)')
   return dict(out, objectives={f: dict(summarize(v), draws=v) for f, v in per_draw.items()},
-              rank=cfg.optim.logra.rank, projection=cfg.optim.logra.projection)
+              skipped_draws=skipped, rank=cfg.optim.logra.rank,
+              projection=cfg.optim.logra.projection)
 
 
 def form_logliks(cfg, run_dir: str, steps, chunk: int = 32, log=print) -> list:
@@ -353,16 +401,20 @@ def form_logliks(cfg, run_dir: str, steps, chunk: int = 32, log=print) -> list:
 
 def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
-  trainer = loop.Trainer(cfg, workdir, log=lambda *_: None)
+  trainer = loop.Trainer(probe_config(cfg, workdir), workdir, log=lambda *_: None)
   try:
     params = trainer.method.policy_params(trainer.state)
     model, loss_cfg = trainer.model, methods.loss_config(cfg)
     temp, rows = cfg.rollout.temperature, cfg.optim.kl_sequences
     grad = jax.jit(lambda p, b, pl: dense_gradient(model, loss_cfg, p, b, pl),
                    static_argnums=2)
-    per_pair, t0 = [], trainer.step
+    per_pair, t0, skipped = [], trainer.step, []
     for i in range(pairs):
       (ba, pa), (bb, pb) = (trainer.collect(t0 + 2 * i + j + 1)[:2] for j in (0, 1))
+      if not (has_advantage(ba) and has_advantage(bb)):
+        skipped.append(i)
+        log(f'pair {i}: skipped (a batch without a non-zero advantage)')
+        continue
       if pa != pb:  # both batches' prompts in one bucket: one gradient program per length
         log(f'pair {i}: prompt lengths {pa} != {pb}; b padded to {max(pa, pb)}')
       ga, gb = grad(params, ba, pa), grad(params, bb, pb)
@@ -372,7 +424,10 @@ def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
       log(f"pair {i}: " + ', '.join(f"{n} {s['score']:.4g}" for n, s in per_pair[-1].items()))
   finally:
     trainer.close()
-  return dict(summarize(per_pair), pairs=per_pair, step=int(t0),
+  if not per_pair:
+    raise ValueError(f'no pair of {pairs} had two batches with a non-zero advantage: nothing '
+                     'to score (more --pairs)')
+  return dict(summarize(per_pair), pairs=per_pair, skipped_pairs=skipped, step=int(t0),
               rank=cfg.optim.logra.rank, projection=cfg.optim.logra.projection,
               sketch_optimizer=cfg.optim.logra.sketch_optimizer)
 
@@ -440,7 +495,8 @@ def main(argv):
   else:
     out = probe(cfg, policy_dir, f.pairs)
     print_scores(out)
-    last = {k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank')}
+    last = {k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank',
+                                'skipped_pairs')}
   with open(os.path.join(f.workdir, 'direction_quality.json'), 'w') as fh:
     json.dump(out, fh, indent=1)
   print(json.dumps(last))

@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, 'experiments'))
 
 import compare_methods  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train import config as config_lib  # noqa: E402
 from logra_jax.train.metrics import read_metrics  # noqa: E402
 
 
@@ -156,7 +157,7 @@ def test_a_key_added_since_the_prior_ran_counts_at_its_default():
       defaults)
   assert set(got) == {'default'} and skipped == ['other', 'nested']
   # The recorded value wins over the default (momentum 0.9 is not filled with 0.0).
-  assert compare_methods.with_defaults(old, defaults)['optim']['logra']['momentum'] == 0.9
+  assert config_lib.with_defaults(old, defaults)['optim']['logra']['momentum'] == 0.9
   # Without defaults a key the prior lacks makes the arm differ (as before).
   assert compare_methods.prior_runs(prior, 'tiny', study, {'default': now(2, 1)})[1] == [
       'default']
@@ -176,7 +177,7 @@ def test_a_prior_from_another_machine_is_judged_without_its_model_directory():
          'other': cfg('/elsewhere/' + gguf.replace('Q4_1', 'Q8_0'))}
   got, skipped = compare_methods.prior_runs(prior, 'smollm2', study, now)
   assert skipped == ['other'] and set(got) == {'same'}
-  assert compare_methods.machine_free({'seed': 0}) == {'seed': 0}  # no model path: as is
+  assert config_lib.machine_free({'seed': 0}) == {'seed': 0}  # no model path: as is
 
 
 def test_resolved_configs_are_json_and_tell_arms_apart():

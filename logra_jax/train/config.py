@@ -8,6 +8,7 @@ is an error that names the key.
 import dataclasses
 import difflib
 import json
+import os
 import typing
 from typing import Any
 
@@ -480,6 +481,35 @@ def from_config_dict(cfg) -> TrainConfig:
   """Validates a ConfigDict (or a plain dict) and returns the frozen TrainConfig."""
   values = cfg.to_dict() if isinstance(cfg, config_dict.ConfigDict) else cfg
   return _convert(TrainConfig, values, '')
+
+
+def machine_free(resolved: dict) -> dict:
+  """A config as JSON (a run's recorded one) with its model file named by its base name only:
+  the same GGUF installed on two machines (or copied into docs/) is the same model."""
+  model = resolved.get('model')
+  if not isinstance(model, dict) or not model.get('path'):
+    return resolved
+  return dict(resolved, model=dict(model, path=os.path.basename(model['path'])))
+
+
+def with_defaults(resolved: dict, defaults: dict | None = None) -> dict:
+  """A config as JSON with the keys it lacks taken from ``defaults`` (default: the whole
+  default config): a key added to the schema after a run, at its default, is what it ran."""
+  if defaults is None:
+    defaults = json.loads(json.dumps(dataclasses.asdict(TrainConfig())))
+  out = dict(resolved)
+  for key, value in defaults.items():
+    if key not in out:
+      out[key] = value
+    elif isinstance(value, dict) and isinstance(out[key], dict):
+      out[key] = with_defaults(out[key], value)
+  return out
+
+
+def recorded_config(resolved: dict) -> TrainConfig:
+  """A run's recorded config (run_info.json's 'config'), validated, with the keys added to
+  the schema since the run at their defaults."""
+  return from_config_dict(with_defaults(resolved))
 
 
 def check_override_flags(argv) -> None:

@@ -1,0 +1,141 @@
+"""direction_quality's probes from a real run's checkpoint of another method (AdamW): the
+checkpoint is restored under the run's own optim section (`probe_config`), so the probe's
+policy is the checkpoint's and its batches are those the run drew next; the LoGRA candidates
+follow --config. A draw whose batch has no non-zero advantage is skipped and counted, the
+other draws unchanged. The run is tests/trainer_runs.py's tiny one (format reward)."""
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from logra_jax import parallel
+from logra_jax.data import tiny_task
+from logra_jax.train import loop
+from logra_jax.train.metrics import read_metrics
+from trainer_runs import (assert_trees_equal, format_reward, make_config,  # noqa: F401
+                          train, xla_cache)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, 'experiments'))
+import direction_quality as dq  # noqa: E402  pylint: disable=g-import-not-at-top
+
+quiet = lambda *_: None
+
+
+@pytest.fixture(scope='module')
+def adam_run(tmp_path_factory):
+  """4 AdamW steps, checkpointed at 2 and 4, with its run_info.json as train.py writes it."""
+  workdir = tmp_path_factory.mktemp('adam_run')
+  cfg = make_config(optim__name='adam')
+  train(cfg, workdir)
+  with open(os.path.join(workdir, 'run_info.json'), 'w') as f:
+    json.dump(parallel.run_info(parallel.layout_from_config(cfg.mesh),
+                                dataclasses.asdict(cfg)), f)
+  return cfg, str(workdir)
+
+
+def recorded_probe(monkeypatch, zero_advantages_at=()):
+  """What the probe's directions are built from (params) and the rewards of each batch it
+  collects; the batches collected at steps ``zero_advantages_at`` get zero advantages."""
+  seen = {'params': [], 'rewards': {}}
+  directions, collect = dq.directions, loop.Trainer.collect
+
+  def recorded_directions(cfg, params, *args, **kwargs):
+    seen['params'].append(jax.device_get(params))
+    return directions(cfg, params, *args, **kwargs)
+
+  def recorded_collect(self, t):
+    out = collect(self, t)
+    seen['rewards'][t] = float(np.mean(out[3].rewards))
+    if t in zero_advantages_at:
+      out = (dict(out[0], advantages=np.zeros_like(out[0]['advantages'])),) + out[1:]
+    return out
+  monkeypatch.setattr(dq, 'directions', recorded_directions)
+  monkeypatch.setattr(loop.Trainer, 'collect', recorded_collect)
+  return seen
+
+
+@pytest.fixture(scope='module')
+def probed(adam_run, tmp_path_factory):
+  """The RL probe (2 pairs) of LoGRA's candidates from the AdamW run's step-2 checkpoint."""
+  _, workdir = adam_run
+  policy_dir = str(tmp_path_factory.mktemp('probe') / 'policy')
+  dq.copy_policy(workdir, policy_dir, 2)
+  with pytest.MonkeyPatch.context() as mp, jax.enable_x64(False):
+    seen = recorded_probe(mp)
+    out = dq.probe(make_config(), policy_dir, 2, log=quiet)
+  return out, seen
+
+
+def test_the_probe_starts_from_an_adamw_checkpoint(adam_run, probed):
+  """Its policy is the AdamW checkpoint's (read as evaluate_checkpoint reads it), its step
+  the checkpoint's, and its first batch the one the run drew at the next step (same reward)."""
+  adam_cfg, workdir = adam_run
+  out, seen = probed
+  with jax.enable_x64(False):
+    _, _, _, policy_at = loop.checkpoint_policies(adam_cfg, workdir)
+    want = jax.device_get(policy_at(2))
+  assert out['step'] == 2 and out['skipped_pairs'] == [] and len(out['pairs']) == 2
+  for params in seen['params']:
+    assert_trees_equal(params, want)
+  logged = {r['step']: r for r in read_metrics(workdir) if 'reward_mean' in r}
+  assert seen['rewards'][3] == pytest.approx(logged[3]['reward_mean'], rel=1e-6)
+  for name in ('logra', 'adamw', 'dense_gradient'):
+    assert math.isfinite(out['directions'][name]['score_mean'])
+
+
+def test_a_config_unlike_the_run_where_batches_come_from_is_refused(adam_run, tmp_path):
+  _, workdir = adam_run
+  dq.copy_policy(workdir, str(tmp_path / 'policy'), 2)
+  other = dataclasses.replace(make_config(), seed=7)
+  with pytest.raises(ValueError, match=r'seed=7 \(the run: 0\)'):
+    dq.probe_config(other, str(tmp_path / 'policy'))
+  # Another LoGRA section is no difference: the candidates follow --config.
+  assert dq.probe_config(make_config(optim__logra__rank=2), str(tmp_path / 'policy')).optim \
+      == make_config(optim__name='adam').optim
+
+
+def test_a_pair_without_advantages_is_skipped_and_counted(adam_run, probed, monkeypatch,
+                                                          tmp_path):
+  """Pair 0's first batch (step 3) with zero advantages: the pair is skipped, and the other
+  pair is scored exactly as without the skip (its batches and seeds keep their steps)."""
+  _, workdir = adam_run
+  full, _ = probed
+  dq.copy_policy(workdir, str(tmp_path / 'policy'), 2)
+  recorded_probe(monkeypatch, zero_advantages_at=(3,))
+  with jax.enable_x64(False):
+    out = dq.probe(make_config(), str(tmp_path / 'policy'), 2, log=quiet)
+  assert out['skipped_pairs'] == [0] and out['pairs'] == full['pairs'][1:]
+  assert all(math.isfinite(d['score_mean']) for d in out['directions'].values())
+  with jax.enable_x64(False), pytest.raises(ValueError, match='no pair of 1'):
+    dq.probe(make_config(), str(tmp_path / 'policy'), 1, log=quiet)
+
+
+def test_a_form_draw_without_advantages_is_skipped_and_counted(adam_run, monkeypatch,
+                                                               tmp_path):
+  """The form probe skips draw 0 (zero advantages) and scores draw 1 as it would unskipped.
+  The tiny task's forms are 'C' and 'C = C' (its tokenizer knows digits and '+=-* ')."""
+  _, workdir = adam_run
+  texts = {'terse': '{c}', 'template': '{c} = {c}'}
+  monkeypatch.setattr(dq, 'form_text', lambda form, ref: texts[form].format(c=ref))
+  encode = tiny_task.CharTokenizer.encode
+  monkeypatch.setattr(tiny_task.CharTokenizer, 'encode',  # the HF keyword form_batch passes
+                      lambda self, text, add_special_tokens=False, **kw: encode(self, text, **kw))
+  names = ('logra', 'adamw', 'dense_gradient')
+  outs = []
+  for zero in ((), (3,)):
+    policy_dir = str(tmp_path / f'policy{len(zero)}')
+    dq.copy_policy(workdir, policy_dir, 2)
+    with pytest.MonkeyPatch.context() as mp, jax.enable_x64(False):
+      recorded_probe(mp, zero_advantages_at=zero)
+      outs.append(dq.form_probe(make_config(), policy_dir, 2, names, chunk=4, log=quiet))
+  full, skipped = outs
+  assert full['skipped_draws'] == [] and skipped['skipped_draws'] == [0]
+  for form, o in skipped['objectives'].items():
+    assert o['draws'] == full['objectives'][form]['draws'][1:]
+    assert math.isfinite(o['directions']['logra']['score_mean'])
