@@ -28,6 +28,11 @@ The candidates (each a dense tree like the params; zero where a method does not 
   logra_orthogonal the same with orthogonal rows (block SRHT) instead of the configured kind
   sketched_gradient −∇L_a on LoGRA's kernels only (what any kernel-only method could reach)
   random           a Gaussian direction (the control: its score is 0 within its s.e.)
+  own_step         the probed run's own update on batch a, θ' − θ: its method's step from
+                   its restored state (AdamW's moments, the sketch momentum and A, the KL
+                   budget), as its next step takes it; not in the default list. With
+                   ``adamw`` (fresh moments) beside it, the paired difference is what the
+                   optimizer's state carried over from earlier steps does to the direction
 
 Writes WORKDIR/direction_quality.json and prints, per candidate, mean ± s.e. of score over
 the pairs and the ratio of LoGRA's mean score to AdamW's. The LAST line is that JSON.
@@ -124,6 +129,18 @@ def adamw_direction(optim, params, grad):
 
 CANDIDATES = ('dense_gradient', 'adamw', 'logra', 'logra_rank_x4', 'logra_orthogonal',
               'sketched_gradient', 'random')
+OWN_STEP = 'own_step'  # built from the probe's trainer (`own_step`), not from a gradient
+
+
+def own_step(trainer, batch, prompt_len: int, t: int):
+  """θ' − θ of the probed run's step ``t`` on ``batch``: its method's step (jitted, state
+  donated) on a copy of the trainer's restored state, with the inputs its loop gives it
+  (`Trainer.step_inputs`). The trainer's own state is left as it was."""
+  state = jax.tree.map(lambda x: x.copy(), trainer.state)
+  batch, budget = trainer.step_inputs(batch, prompt_len, t)
+  after, _ = trainer.method.step(state, batch, prompt_len, t, budget)
+  return jax.tree.map(jnp.subtract, trainer.method.policy_params(after),
+                      trainer.method.policy_params(trainer.state))
 
 
 def directions(cfg, params, grad, step: int, key, names=CANDIDATES) -> dict:
@@ -145,10 +162,21 @@ def directions(cfg, params, grad, step: int, key, names=CANDIDATES) -> dict:
       'random': lambda: jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
                                                   for k, x in zip(keys, leaves)]),
   }
-  unknown = set(names) - set(build)
+  unknown = set(names) - set(build) - {OWN_STEP}
   if unknown:
-    raise ValueError(f'unknown candidates {sorted(unknown)}; known: {list(CANDIDATES)}')
-  return {n: build[n]() for n in names}
+    raise ValueError(f'unknown candidates {sorted(unknown)}; known: '
+                     f'{list(CANDIDATES) + [OWN_STEP]}')
+  return {n: build[n]() for n in names if n != OWN_STEP}
+
+
+def candidates(cfg, trainer, params, grad, batch, prompt_len: int, step: int, key,
+               names=CANDIDATES) -> dict:
+  """`directions` and, when ``names`` asks for it, the run's own step on ``batch``, in
+  ``names``' order."""
+  ds = directions(cfg, params, grad, step, key, names)
+  if OWN_STEP in names:
+    ds[OWN_STEP] = own_step(trainer, batch, prompt_len, step)
+  return {n: ds[n] for n in names}
 
 
 # ------------------------------------------------------------------- the form objective
@@ -276,7 +304,8 @@ def define_flags():
   flags.DEFINE_integer('from_step', -1, "--from_workdir's checkpoint to probe (-1: latest).")
   flags.DEFINE_enum('objective', 'rl', ['rl', 'form'], "rl: another batch's RL loss; form: "
                     "the log-likelihood of correct held-out answers in each of FORMS' forms.")
-  flags.DEFINE_list('candidates', list(CANDIDATES), 'Which candidate directions to score.')
+  flags.DEFINE_list('candidates', list(CANDIDATES), 'Which candidate directions to score '
+                    f'(and {OWN_STEP!r}: the probed run\'s own next update).')
   flags.DEFINE_bool('loglik_only', False, 'With --objective=form: print J_F and stop.')
   flags.DEFINE_list('from_steps', [], "With --loglik_only: J_F at each of these checkpoints of "
                     "--from_workdir, read in place (no copy; the model built once).")
@@ -361,7 +390,7 @@ def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=Fals
         skipped.append(i)
         log(f'draw {i}: skipped (no non-zero advantage in its batch)')
         continue
-      ds = directions(cfg, params, grad(params, ba, pa), t0 + i + 1,
+      ds = candidates(cfg, trainer, params, grad(params, ba, pa), ba, pa, t0 + i + 1,
                       jax.random.key(1000 + i), names)
       scored = {n: form_scores(model, params, d, form_grads, ba, pa, temp, rows)
                 for n, d in ds.items()}
@@ -399,7 +428,7 @@ def form_logliks(cfg, run_dir: str, steps, chunk: int = 32, log=print) -> list:
   return out
 
 
-def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
+def probe(cfg, workdir: str, pairs: int, names=CANDIDATES, log=print) -> dict:
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
   trainer = loop.Trainer(probe_config(cfg, workdir), workdir, log=lambda *_: None)
   try:
@@ -418,7 +447,8 @@ def probe(cfg, workdir: str, pairs: int, log=print) -> dict:
       if pa != pb:  # both batches' prompts in one bucket: one gradient program per length
         log(f'pair {i}: prompt lengths {pa} != {pb}; b padded to {max(pa, pb)}')
       ga, gb = grad(params, ba, pa), grad(params, bb, pb)
-      ds = directions(cfg, params, ga, t0 + 2 * i + 1, jax.random.key(1000 + i))
+      ds = candidates(cfg, trainer, params, ga, ba, pa, t0 + 2 * i + 1,
+                      jax.random.key(1000 + i), names)
       per_pair.append({n: score(model, params, d, gb, ba, pa, temp, rows)
                        for n, d in ds.items()})
       log(f"pair {i}: " + ', '.join(f"{n} {s['score']:.4g}" for n, s in per_pair[-1].items()))
@@ -493,7 +523,7 @@ def main(argv):
     last['logra_over_adamw'] = {form: o['logra_over_adamw']
                                 for form, o in out.get('objectives', {}).items()}
   else:
-    out = probe(cfg, policy_dir, f.pairs)
+    out = probe(cfg, policy_dir, f.pairs, f.candidates)
     print_scores(out)
     last = {k: out[k] for k in ('logra_over_adamw', 'directions', 'step', 'rank',
                                 'skipped_pairs')}

@@ -27,16 +27,26 @@ import direction_quality as dq  # noqa: E402  pylint: disable=g-import-not-at-to
 quiet = lambda *_: None
 
 
-@pytest.fixture(scope='module')
-def adam_run(tmp_path_factory):
-  """4 AdamW steps, checkpointed at 2 and 4, with its run_info.json as train.py writes it."""
-  workdir = tmp_path_factory.mktemp('adam_run')
-  cfg = make_config(optim__name='adam')
+def run_of(method: str, tmp_path_factory):
+  """4 steps of ``method``, every step's checkpoint kept, with its run_info.json as train.py
+  writes it."""
+  workdir = tmp_path_factory.mktemp(f'{method}_run')
+  cfg = make_config(optim__name=method, checkpoint_every=1, keep_checkpoints=0)
   train(cfg, workdir)
   with open(os.path.join(workdir, 'run_info.json'), 'w') as f:
     json.dump(parallel.run_info(parallel.layout_from_config(cfg.mesh),
                                 dataclasses.asdict(cfg)), f)
   return cfg, str(workdir)
+
+
+@pytest.fixture(scope='module')
+def adam_run(tmp_path_factory):
+  return run_of('adam', tmp_path_factory)
+
+
+@pytest.fixture(scope='module')
+def logra_run(tmp_path_factory):
+  return run_of('logra', tmp_path_factory)
 
 
 def recorded_probe(monkeypatch, zero_advantages_at=()):
@@ -126,7 +136,7 @@ def test_a_form_draw_without_advantages_is_skipped_and_counted(adam_run, monkeyp
   encode = tiny_task.CharTokenizer.encode
   monkeypatch.setattr(tiny_task.CharTokenizer, 'encode',  # the HF keyword form_batch passes
                       lambda self, text, add_special_tokens=False, **kw: encode(self, text, **kw))
-  names = ('logra', 'adamw', 'dense_gradient')
+  names = ('logra', 'adamw', 'dense_gradient', 'own_step')
   outs = []
   for zero in ((), (3,)):
     policy_dir = str(tmp_path / f'policy{len(zero)}')
@@ -139,3 +149,27 @@ def test_a_form_draw_without_advantages_is_skipped_and_counted(adam_run, monkeyp
   for form, o in skipped['objectives'].items():
     assert o['draws'] == full['objectives'][form]['draws'][1:]
     assert math.isfinite(o['directions']['logra']['score_mean'])
+
+
+@pytest.mark.parametrize('method', ['adam', 'logra'])
+def test_own_step_is_the_step_the_run_took_next(method, request, tmp_path):
+  """The own_step candidate from a run's step-2 checkpoint, on the batch the run drew at step
+  3, is θ_3 − θ_2 of the run's own checkpoints, to the bit: the restored optimizer state
+  (AdamW's moments; LoGRA's sketch momentum) and the step's inputs (the KL budget) are the
+  run's. Built twice, it is the same: the probe's trainer keeps its state."""
+  run_cfg, workdir = request.getfixturevalue(f'{method}_run')
+  policy_dir = str(tmp_path / 'policy')
+  dq.copy_policy(workdir, policy_dir, 2)
+  with jax.enable_x64(False):
+    trainer = loop.Trainer(dq.probe_config(make_config(), policy_dir), policy_dir, log=quiet)
+    try:
+      batch, p = trainer.collect(3)[:2]
+      got = [jax.device_get(dq.own_step(trainer, batch, p, 3)) for _ in range(2)]
+    finally:
+      trainer.close()
+    _, _, _, policy_at = loop.checkpoint_policies(run_cfg, workdir)
+    want = jax.tree.map(np.subtract, jax.device_get(policy_at(3)),
+                        jax.device_get(policy_at(2)))
+  assert_trees_equal(got[0], want)
+  assert_trees_equal(got[1], want)
+  assert max(float(np.abs(x).max()) for x in jax.tree.leaves(want)) > 0

@@ -236,20 +236,27 @@ class Trainer:
                               self.task.prompt_len)
     return batch, p, results, scores, stale, generate_s
 
+  def step_inputs(self, batch, prompt_len: int, t: int):
+    """What step t's update takes besides the state: ``batch`` with the reference policy's
+    log-probs when the loss has a KL-to-reference term, and the KL budget (its schedule at
+    t, eased by the measured sampler mismatch)."""
+    cfg = self.cfg
+    if cfg.rl.kl_coef:
+      if prompt_len not in self._ref_fns:
+        self._ref_fns[prompt_len] = steps.make_ref_logp(
+            self.model, prompt_len, cfg.rollout.temperature, self.method.ref_shardings,
+            prompt_group(cfg))
+      batch = dict(batch, ref_logp=parallel.to_host(
+          self._ref_fns[prompt_len](self.ref, self.method.put_batch(batch))))
+    return batch, float(sketch.effective_budget(self.budget(t - 1), self.mismatch))
+
   def train_step(self) -> dict:
     cfg, t = self.cfg, self.step + 1
     start = time.perf_counter()
     batch, p, results, scores, stale, generate_s = self.collect(t)
     host_memory.release()  # what the sampler freed, before the step allocates
     generated = start + generate_s
-    if self.cfg.rl.kl_coef:
-      if p not in self._ref_fns:
-        self._ref_fns[p] = steps.make_ref_logp(self.model, p, cfg.rollout.temperature,
-                                               self.method.ref_shardings,
-                                               prompt_group(cfg))
-      batch['ref_logp'] = parallel.to_host(
-          self._ref_fns[p](self.ref, self.method.put_batch(batch)))
-    budget = float(sketch.effective_budget(self.budget(t - 1), self.mismatch))
+    batch, budget = self.step_inputs(batch, p, t)
     self.state, metrics = self.method.step(self.state, batch, p, t, budget)
     metrics = {k: float(v) for k, v in parallel.to_host(metrics).items()}
     ema = cfg.optim.logra.mismatch_ema
