@@ -27,11 +27,11 @@ import direction_quality as dq  # noqa: E402  pylint: disable=g-import-not-at-to
 quiet = lambda *_: None
 
 
-def run_of(method: str, tmp_path_factory):
+def run_of(method: str, tmp_path_factory, **overrides):
   """4 steps of ``method``, every step's checkpoint kept, with its run_info.json as train.py
   writes it."""
   workdir = tmp_path_factory.mktemp(f'{method}_run')
-  cfg = make_config(optim__name=method, checkpoint_every=1, keep_checkpoints=0)
+  cfg = make_config(optim__name=method, checkpoint_every=1, keep_checkpoints=0, **overrides)
   train(cfg, workdir)
   with open(os.path.join(workdir, 'run_info.json'), 'w') as f:
     json.dump(parallel.run_info(parallel.layout_from_config(cfg.mesh),
@@ -47,6 +47,15 @@ def adam_run(tmp_path_factory):
 @pytest.fixture(scope='module')
 def logra_run(tmp_path_factory):
   return run_of('logra', tmp_path_factory)
+
+
+@pytest.fixture(scope='module')
+def adaptive_run(tmp_path_factory):
+  """SmolLM2's default's kind: A rebuilt from the co-sketches every 2 steps (at step 2, used
+  from step 3 on), the unsketched leaves trained by Adam."""
+  return run_of('logra', tmp_path_factory, optim__logra__subspace='adaptive',
+                optim__logra__subspace_random_rows=2, optim__logra__refresh_every=2,
+                optim__logra__rest_learning_rate=1e-3)
 
 
 def recorded_probe(monkeypatch, zero_advantages_at=()):
@@ -151,13 +160,14 @@ def test_a_form_draw_without_advantages_is_skipped_and_counted(adam_run, monkeyp
     assert math.isfinite(o['directions']['logra']['score_mean'])
 
 
-@pytest.mark.parametrize('method', ['adam', 'logra'])
-def test_own_step_is_the_step_the_run_took_next(method, request, tmp_path):
+@pytest.mark.parametrize('run', ['adam_run', 'logra_run', 'adaptive_run'])
+def test_own_step_is_the_step_the_run_took_next(run, request, tmp_path):
   """The own_step candidate from a run's step-2 checkpoint, on the batch the run drew at step
   3, is θ_3 − θ_2 of the run's own checkpoints, to the bit: the restored optimizer state
-  (AdamW's moments; LoGRA's sketch momentum) and the step's inputs (the KL budget) are the
-  run's. Built twice, it is the same: the probe's trainer keeps its state."""
-  run_cfg, workdir = request.getfixturevalue(f'{method}_run')
+  (AdamW's moments; LoGRA's sketch momentum, the adaptive A and the rest's moments) and the
+  step's inputs (the KL budget) are the run's. Built twice, it is the same: the probe's
+  trainer keeps its state."""
+  run_cfg, workdir = request.getfixturevalue(run)
   policy_dir = str(tmp_path / 'policy')
   dq.copy_policy(workdir, policy_dir, 2)
   with jax.enable_x64(False):
