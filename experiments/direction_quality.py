@@ -33,6 +33,11 @@ The candidates (each a dense tree like the params; zero where a method does not 
                    budget), as its next step takes it; not in the default list. With
                    ``adamw`` (fresh moments) beside it, the paired difference is what the
                    optimizer's state carried over from earlier steps does to the direction
+  own_momentum     (AdamW runs) −m̂: the run's first moment after batch a (its moments from
+                   earlier steps, this batch's clipped gradient), without the per-coordinate
+                   scale; beside dense_gradient it isolates the averaging over batches
+  own_preconditioned (AdamW runs) −g/(√v̂ + ε): batch a's clipped gradient scaled by the run's
+                   second moment after it, without the averaging; own_step ∝ −m̂/(√v̂ + ε)
 
 Writes WORKDIR/direction_quality.json and prints, per candidate, mean ± s.e. of score over
 the pairs and the ratio of LoGRA's mean score to AdamW's. The LAST line is that JSON.
@@ -130,6 +135,37 @@ def adamw_direction(optim, params, grad):
 CANDIDATES = ('dense_gradient', 'adamw', 'logra', 'logra_rank_x4', 'logra_orthogonal',
               'sketched_gradient', 'random')
 OWN_STEP = 'own_step'  # built from the probe's trainer (`own_step`), not from a gradient
+OWN_ADAM = ('own_momentum', 'own_preconditioned')  # from an AdamW run's restored moments
+FROM_TRAINER = (OWN_STEP,) + OWN_ADAM
+
+
+def adam_moments(optim, opt_state, grad):
+  """(m̂, v̂): an AdamW run's bias-corrected moments after one more gradient ``grad``, clipped
+  as its optimizer clips (`optimizers.adam_optimizer`: global norm, then Adam's moments)."""
+  found = [x for x in jax.tree.leaves(opt_state,
+                                      is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+           if isinstance(x, optax.ScaleByAdamState)]
+  if len(found) != 1:
+    raise ValueError(f'{OWN_ADAM} need an AdamW run (one ScaleByAdamState in its optimizer '
+                     f'state); this run has {len(found)}')
+  s, st = optim.adam, found[0]
+  if s.max_grad_norm:
+    norm = optax.global_norm(grad)
+    grad = jax.tree.map(lambda g: g * jnp.minimum(1.0, s.max_grad_norm / norm), grad)
+  t = st.count + 1
+  m = jax.tree.map(lambda m0, g: (s.b1 * m0 + (1 - s.b1) * g) / (1 - s.b1 ** t), st.mu, grad)
+  v = jax.tree.map(lambda v0, g: (s.b2 * v0 + (1 - s.b2) * g * g) / (1 - s.b2 ** t), st.nu,
+                   grad)
+  return m, v, grad
+
+
+def own_adam_directions(trainer, grad, names) -> dict:
+  """`OWN_ADAM`'s candidates (those in ``names``) from the trainer's restored AdamW state."""
+  m, v, g = adam_moments(trainer.cfg.optim, trainer.state['opt_state'], grad)
+  build = {'own_momentum': lambda: jax.tree.map(jnp.negative, m),
+           'own_preconditioned': lambda: jax.tree.map(
+               lambda gg, vv: -gg / (jnp.sqrt(vv) + 1e-8), g, v)}
+  return {n: build[n]() for n in names if n in build}
 
 
 def own_step(trainer, batch, prompt_len: int, t: int):
@@ -162,20 +198,21 @@ def directions(cfg, params, grad, step: int, key, names=CANDIDATES) -> dict:
       'random': lambda: jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
                                                   for k, x in zip(keys, leaves)]),
   }
-  unknown = set(names) - set(build) - {OWN_STEP}
+  unknown = set(names) - set(build) - set(FROM_TRAINER)
   if unknown:
     raise ValueError(f'unknown candidates {sorted(unknown)}; known: '
-                     f'{list(CANDIDATES) + [OWN_STEP]}')
-  return {n: build[n]() for n in names if n != OWN_STEP}
+                     f'{list(CANDIDATES) + list(FROM_TRAINER)}')
+  return {n: build[n]() for n in names if n not in FROM_TRAINER}
 
 
 def candidates(cfg, trainer, params, grad, batch, prompt_len: int, step: int, key,
                names=CANDIDATES) -> dict:
-  """`directions` and, when ``names`` asks for it, the run's own step on ``batch``, in
-  ``names``' order."""
+  """`directions` and, when ``names`` asks for them, the run's own step on ``batch`` and
+  the parts of an AdamW run's (`OWN_ADAM`), in ``names``' order."""
   ds = directions(cfg, params, grad, step, key, names)
   if OWN_STEP in names:
     ds[OWN_STEP] = own_step(trainer, batch, prompt_len, step)
+  ds.update(own_adam_directions(trainer, grad, names) if set(OWN_ADAM) & set(names) else {})
   return {n: ds[n] for n in names}
 
 
@@ -305,7 +342,8 @@ def define_flags():
   flags.DEFINE_enum('objective', 'rl', ['rl', 'form'], "rl: another batch's RL loss; form: "
                     "the log-likelihood of correct held-out answers in each of FORMS' forms.")
   flags.DEFINE_list('candidates', list(CANDIDATES), 'Which candidate directions to score '
-                    f'(and {OWN_STEP!r}: the probed run\'s own next update).')
+                    f'(and {list(FROM_TRAINER)}: the probed run\'s own next update and '
+                    'the parts of an AdamW run\'s).')
   flags.DEFINE_bool('loglik_only', False, 'With --objective=form: print J_F and stop.')
   flags.DEFINE_list('from_steps', [], "With --loglik_only: J_F at each of these checkpoints of "
                     "--from_workdir, read in place (no copy; the model built once).")

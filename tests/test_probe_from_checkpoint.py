@@ -15,7 +15,7 @@ import pytest
 
 from logra_jax import parallel
 from logra_jax.data import tiny_task
-from logra_jax.train import loop
+from logra_jax.train import loop, methods
 from logra_jax.train.metrics import read_metrics
 from trainer_runs import (assert_trees_equal, format_reward, make_config,  # noqa: F401
                           train, xla_cache)
@@ -41,7 +41,10 @@ def run_of(method: str, tmp_path_factory, **overrides):
 
 @pytest.fixture(scope='module')
 def adam_run(tmp_path_factory):
-  return run_of('adam', tmp_path_factory)
+  """With global-norm clipping that binds at every step and weight decay, so that
+  `dq.adam_moments` is checked with both."""
+  return run_of('adam', tmp_path_factory, optim__adam__max_grad_norm=1e-3,
+                optim__adam__weight_decay=0.01)
 
 
 @pytest.fixture(scope='module')
@@ -109,14 +112,14 @@ def test_the_probe_starts_from_an_adamw_checkpoint(adam_run, probed):
 
 
 def test_a_config_unlike_the_run_where_batches_come_from_is_refused(adam_run, tmp_path):
-  _, workdir = adam_run
+  adam_cfg, workdir = adam_run
   dq.copy_policy(workdir, str(tmp_path / 'policy'), 2)
   other = dataclasses.replace(make_config(), seed=7)
   with pytest.raises(ValueError, match=r'seed=7 \(the run: 0\)'):
     dq.probe_config(other, str(tmp_path / 'policy'))
   # Another LoGRA section is no difference: the candidates follow --config.
   assert dq.probe_config(make_config(optim__logra__rank=2), str(tmp_path / 'policy')).optim \
-      == make_config(optim__name='adam').optim
+      == adam_cfg.optim
 
 
 def test_a_pair_without_advantages_is_skipped_and_counted(adam_run, probed, monkeypatch,
@@ -183,3 +186,37 @@ def test_own_step_is_the_step_the_run_took_next(run, request, tmp_path):
   assert_trees_equal(got[0], want)
   assert_trees_equal(got[1], want)
   assert max(float(np.abs(x).max()) for x in jax.tree.leaves(want)) > 0
+
+
+def test_adamw_own_step_is_its_moments_parts(adam_run, tmp_path):
+  """own_momentum (−m̂) and own_preconditioned (−g/(√v̂ + ε)) are the parts of the AdamW run's
+  own step: −(m̂/(√v̂ + ε) + wd θ) from `dq.adam_moments` (the restored moments, one more
+  clipped gradient) points where own_step does. Unit vectors within 1e-5: the step's gradient
+  is a mean over micro-batches, the probe's one batch's, equal to float32 rounding."""
+  _, workdir = adam_run
+  policy_dir = str(tmp_path / 'policy')
+  dq.copy_policy(workdir, policy_dir, 2)
+  with jax.enable_x64(False):
+    cfg = dq.probe_config(make_config(), policy_dir)
+    trainer = loop.Trainer(cfg, policy_dir, log=quiet)
+    try:
+      batch, p = trainer.collect(3)[:2]
+      params = trainer.method.policy_params(trainer.state)
+      grad = dq.dense_gradient(trainer.model, methods.loss_config(cfg), params, batch, p)
+      own = jax.device_get(dq.own_step(trainer, batch, p, 3))
+      parts = jax.device_get(dq.own_adam_directions(trainer, grad, dq.OWN_ADAM))
+      m, v, g = jax.device_get(dq.adam_moments(cfg.optim, trainer.state['opt_state'], grad))
+      params = jax.device_get(params)
+    finally:
+      trainer.close()
+  assert float(np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(grad)))) > 1e-3
+  wd = cfg.optim.adam.weight_decay
+  want = jax.tree.map(lambda mm, vv, w: -(mm / (np.sqrt(vv) + 1e-8) + wd * w), m, v, params)
+  unit = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) / np.sqrt(
+      sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(t)))
+  np.testing.assert_allclose(unit(own), unit(want), atol=1e-5)
+  assert_trees_equal(parts['own_momentum'], jax.tree.map(np.negative, m))
+  assert_trees_equal(parts['own_preconditioned'],
+                     jax.tree.map(lambda gg, vv: -gg / (np.sqrt(vv) + np.float32(1e-8)), g, v))
+  with jax.enable_x64(False), pytest.raises(ValueError, match='need an AdamW run'):
+    dq.adam_moments(cfg.optim, {'not': 'adam'}, grad)
