@@ -52,6 +52,9 @@ direction moves the answer's form per unit of KL, not the RL loss. ``--loglik_on
 J_F of the policy and stops; ``--from_step`` picks a checkpoint of ``--from_workdir``;
 ``--from_steps=5,10,...`` (with ``--loglik_only``) prints J_F of each of those checkpoints,
 read in place with the model built once, and writes WORKDIR/form_logliks.json.
+``--mean_of=dense_gradient,...`` also scores each named candidate's mean over the scored
+draws (gain on ∇J_F, q averaged over the draws' batches): what a momentum over those batches
+would move at this policy, next to what each batch's direction moves alone.
 """
 import dataclasses
 import json
@@ -345,6 +348,8 @@ def define_flags():
                     f'(and {list(FROM_TRAINER)}: the probed run\'s own next update and '
                     'the parts of an AdamW run\'s).')
   flags.DEFINE_bool('loglik_only', False, 'With --objective=form: print J_F and stop.')
+  flags.DEFINE_list('mean_of', [], 'With --objective=form: candidates whose mean over the '
+                    'draws is scored too (a momentum over those batches at this policy).')
   flags.DEFINE_list('from_steps', [], "With --loglik_only: J_F at each of these checkpoints of "
                     "--from_workdir, read in place (no copy; the model built once).")
   flags.mark_flags_as_required(['config', 'workdir'])
@@ -395,9 +400,22 @@ def form_scores(model, params, direction, form_grads, batch_a, prompt_len, tempe
   return out
 
 
+def mean_form_scores(model, params, direction, form_grads, batches, temperature,
+                     rows) -> dict:
+  """`form_scores` of a direction averaged over draws: gain_F = ⟨∇J_F, D⟩, q = the mean of
+  q(D) over the draws' batches' probe rows (``batches``: [(batch, prompt_len)])."""
+  q = float(np.mean([kl_coefficient(model, params, direction, b, p, temperature, rows)
+                     for b, p in batches]))
+  return {form: {'gain': float(tree_dot(g, direction)), 'q': q,
+                 'score': float(tree_dot(g, direction) / math.sqrt(q))}
+          for form, g in form_grads.items()}
+
+
 def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=False,
-               chunk: int = 32, log=print) -> dict:
-  """The form objective's probe (module docstring) from the policy in ``workdir``."""
+               chunk: int = 32, log=print, mean_of=()) -> dict:
+  """The form objective's probe (module docstring) from the policy in ``workdir``.
+  ``mean_of``: candidates whose mean over the scored draws is scored too (`mean_form_scores`:
+  what averaging them over batches, as a momentum does, would move at this policy)."""
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
   trainer = loop.Trainer(probe_config(cfg, workdir), workdir, log=lambda *_: None)
   try:
@@ -422,6 +440,10 @@ def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=Fals
     grad = jax.jit(lambda p, b, pl: dense_gradient(model, loss_cfg, p, b, pl),
                    static_argnums=2)
     per_draw, t0, skipped = {f: [] for f in form_grads}, trainer.step, []
+    unknown = set(mean_of) - set(names)
+    if unknown:
+      raise ValueError(f'--mean_of {sorted(unknown)}: not among the candidates {list(names)}')
+    sums, scored_batches = {n: None for n in mean_of}, []
     for i in range(draws):
       ba, pa = trainer.collect(t0 + i + 1)[:2]
       if not has_advantage(ba):
@@ -430,20 +452,29 @@ def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=Fals
         continue
       ds = candidates(cfg, trainer, params, grad(params, ba, pa), ba, pa, t0 + i + 1,
                       jax.random.key(1000 + i), names)
+      scored_batches.append((ba, pa))
+      for n in mean_of:
+        sums[n] = ds[n] if sums[n] is None else jax.tree.map(jnp.add, sums[n], ds[n])
       scored = {n: form_scores(model, params, d, form_grads, ba, pa, temp, rows)
                 for n, d in ds.items()}
       for f in form_grads:
         per_draw[f].append({n: s[f] for n, s in scored.items()})
       log(f'draw {i}: ' + ', '.join(f"{n} {s['terse_minus_template']['score']:.4g}"
                                     for n, s in scored.items()))
+    if len(skipped) == draws:
+      raise ValueError(f'no draw of {draws} had a batch with a non-zero advantage: nothing '
+                       'to score (more --pairs)')
+    means = {}
+    for n, total in sums.items():
+      mean = jax.tree.map(lambda x: x / len(scored_batches), total)
+      means[n] = mean_form_scores(model, params, mean, form_grads, scored_batches, temp, rows)
+      log(f"mean of {n} over {len(scored_batches)} draws: "
+          f"{means[n]['terse_minus_template']['score']:.4g}")
   finally:
     trainer.close()
-  if len(skipped) == draws:
-    raise ValueError(f'no draw of {draws} had a batch with a non-zero advantage: nothing '
-                     'to score (more --pairs)')
   return dict(out, objectives={f: dict(summarize(v), draws=v) for f, v in per_draw.items()},
               skipped_draws=skipped, rank=cfg.optim.logra.rank,
-              projection=cfg.optim.logra.projection)
+              projection=cfg.optim.logra.projection, mean_over_draws=means)
 
 
 def form_logliks(cfg, run_dir: str, steps, chunk: int = 32, log=print) -> list:
@@ -554,10 +585,11 @@ def main(argv):
   if f.from_workdir and not os.path.exists(policy_dir):
     copy_policy(f.from_workdir, policy_dir, f.from_step)
   if f.objective == 'form':
-    out = form_probe(cfg, policy_dir, f.pairs, f.candidates, f.loglik_only)
+    out = form_probe(cfg, policy_dir, f.pairs, f.candidates, f.loglik_only,
+                     mean_of=f.mean_of)
     for form, summary in out.get('objectives', {}).items():
       print_scores(summary, f'{form}: ')
-    last = {k: v for k, v in out.items() if k != 'objectives'}
+    last = {k: v for k, v in out.items() if k != 'objectives'}  # mean_over_draws too
     last['logra_over_adamw'] = {form: o['logra_over_adamw']
                                 for form, o in out.get('objectives', {}).items()}
   else:

@@ -138,16 +138,20 @@ def test_a_pair_without_advantages_is_skipped_and_counted(adam_run, probed, monk
     dq.probe(make_config(), str(tmp_path / 'policy'), 1, log=quiet)
 
 
-def test_a_form_draw_without_advantages_is_skipped_and_counted(adam_run, monkeypatch,
-                                                               tmp_path):
-  """The form probe skips draw 0 (zero advantages) and scores draw 1 as it would unskipped.
-  The tiny task's forms are 'C' and 'C = C' (its tokenizer knows digits and '+=-* ')."""
-  _, workdir = adam_run
+def tiny_forms(monkeypatch):
+  """The tiny task's forms: 'C' and 'C = C' (its tokenizer knows digits and '+=-* ')."""
   texts = {'terse': '{c}', 'template': '{c} = {c}'}
   monkeypatch.setattr(dq, 'form_text', lambda form, ref: texts[form].format(c=ref))
   encode = tiny_task.CharTokenizer.encode
   monkeypatch.setattr(tiny_task.CharTokenizer, 'encode',  # the HF keyword form_batch passes
                       lambda self, text, add_special_tokens=False, **kw: encode(self, text, **kw))
+
+
+def test_a_form_draw_without_advantages_is_skipped_and_counted(adam_run, monkeypatch,
+                                                               tmp_path):
+  """The form probe skips draw 0 (zero advantages) and scores draw 1 as it would unskipped."""
+  _, workdir = adam_run
+  tiny_forms(monkeypatch)
   names = ('logra', 'adamw', 'dense_gradient', 'own_step')
   outs = []
   for zero in ((), (3,)):
@@ -220,3 +224,25 @@ def test_adamw_own_step_is_its_moments_parts(adam_run, tmp_path):
                      jax.tree.map(lambda gg, vv: -gg / (np.sqrt(vv) + np.float32(1e-8)), g, v))
   with jax.enable_x64(False), pytest.raises(ValueError, match='need an AdamW run'):
     dq.adam_moments(cfg.optim, {'not': 'adam'}, grad)
+
+
+def test_the_mean_over_draws_is_scored(adam_run, monkeypatch, tmp_path):
+  """--mean_of=dense_gradient: the mean of the draws' gradients, its gain the mean of their
+  gains (the gain is linear in D; float32 sums of 3 draws: rtol 1e-5), its q the mean of its
+  q on each draw's batch, its score gain / √q."""
+  _, workdir = adam_run
+  tiny_forms(monkeypatch)
+  policy_dir = str(tmp_path / 'policy')
+  dq.copy_policy(workdir, policy_dir, 2)
+  with jax.enable_x64(False):
+    out = dq.form_probe(make_config(), policy_dir, 3, ('logra', 'adamw', 'dense_gradient'),
+                        chunk=4, log=quiet, mean_of=('dense_gradient',))
+  assert out['skipped_draws'] == []
+  for form, o in out['objectives'].items():
+    mean = out['mean_over_draws']['dense_gradient'][form]
+    gains = [d['dense_gradient']['gain'] for d in o['draws']]
+    assert len(gains) == 3 and mean['gain'] == pytest.approx(np.mean(gains), rel=1e-5)
+    assert mean['q'] > 0 and mean['score'] == pytest.approx(mean['gain'] / np.sqrt(mean['q']))
+  with jax.enable_x64(False), pytest.raises(ValueError, match='not among the candidates'):
+    dq.form_probe(make_config(), policy_dir, 1, ('logra', 'adamw'), chunk=4, log=quiet,
+                  mean_of=('dense_gradient',))
