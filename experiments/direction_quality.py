@@ -140,6 +140,7 @@ CANDIDATES = ('dense_gradient', 'adamw', 'logra', 'logra_rank_x4', 'logra_orthog
 OWN_STEP = 'own_step'  # built from the probe's trainer (`own_step`), not from a gradient
 OWN_ADAM = ('own_momentum', 'own_preconditioned')  # from an AdamW run's restored moments
 FROM_TRAINER = (OWN_STEP,) + OWN_ADAM
+ADAM_EPS = 1e-8  # optax.adamw's default, which `optimizers.adam_optimizer` keeps
 
 
 def adam_moments(optim, opt_state, grad):
@@ -152,6 +153,9 @@ def adam_moments(optim, opt_state, grad):
     raise ValueError(f'{OWN_ADAM} need an AdamW run (one ScaleByAdamState in its optimizer '
                      f'state); this run has {len(found)}')
   s, st = optim.adam, found[0]
+  if s.trainable != 'all':
+    raise ValueError(f"{OWN_ADAM} need an AdamW run of every parameter (optim.adam.trainable="
+                     f"'all'), not {s.trainable!r}")
   if s.max_grad_norm:
     norm = optax.global_norm(grad)
     grad = jax.tree.map(lambda g: g * jnp.minimum(1.0, s.max_grad_norm / norm), grad)
@@ -167,7 +171,7 @@ def own_adam_directions(trainer, grad, names) -> dict:
   m, v, g = adam_moments(trainer.cfg.optim, trainer.state['opt_state'], grad)
   build = {'own_momentum': lambda: jax.tree.map(jnp.negative, m),
            'own_preconditioned': lambda: jax.tree.map(
-               lambda gg, vv: -gg / (jnp.sqrt(vv) + 1e-8), g, v)}
+               lambda gg, vv: -gg / (jnp.sqrt(vv) + ADAM_EPS), g, v)}
   return {n: build[n]() for n in names if n in build}
 
 
@@ -406,9 +410,9 @@ def mean_form_scores(model, params, direction, form_grads, batches, temperature,
   q(D) over the draws' batches' probe rows (``batches``: [(batch, prompt_len)])."""
   q = float(np.mean([kl_coefficient(model, params, direction, b, p, temperature, rows)
                      for b, p in batches]))
-  return {form: {'gain': float(tree_dot(g, direction)), 'q': q,
-                 'score': float(tree_dot(g, direction) / math.sqrt(q))}
-          for form, g in form_grads.items()}
+  gains = {form: float(tree_dot(g, direction)) for form, g in form_grads.items()}
+  return {form: {'gain': gain, 'q': q, 'score': gain / math.sqrt(q)}
+          for form, gain in gains.items()}
 
 
 def form_probe(cfg, workdir: str, draws: int, names=CANDIDATES, loglik_only=False,

@@ -224,6 +224,10 @@ def test_adamw_own_step_is_its_moments_parts(adam_run, tmp_path):
                      jax.tree.map(lambda gg, vv: -gg / (np.sqrt(vv) + np.float32(1e-8)), g, v))
   with jax.enable_x64(False), pytest.raises(ValueError, match='need an AdamW run'):
     dq.adam_moments(cfg.optim, {'not': 'adam'}, grad)
+  sketched = dataclasses.replace(cfg.optim, adam=dataclasses.replace(cfg.optim.adam,
+                                                                     trainable='sketched'))
+  with jax.enable_x64(False), pytest.raises(ValueError, match='of every parameter'):
+    dq.adam_moments(sketched, trainer.state['opt_state'], grad)
 
 
 def test_the_mean_over_draws_is_scored(adam_run, monkeypatch, tmp_path):
