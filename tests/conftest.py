@@ -32,7 +32,8 @@ HEAVY_FILES = {
     'test_compare_methods.py': 180, 'test_direction_quality.py': 130, 'test_faults.py': 200,
     'test_gpu_study.py': 50,  # session 19: gpu_measure.sh's tiny run
     'test_evaluate_checkpoint.py': 60,  # session 26: a tiny run, 4 evaluations, one command
-    'test_probe_from_checkpoint.py': 50,  # session 29: a tiny AdamW run, 4 probes (loaded)
+    # session 30: three tiny runs (AdamW, LoGRA, adaptive), 9 tests, ~2 min (loaded)
+    'test_probe_from_checkpoint.py': 100,
 }
 
 

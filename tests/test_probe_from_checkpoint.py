@@ -2,7 +2,9 @@
 checkpoint is restored under the run's own optim section (`probe_config`), so the probe's
 policy is the checkpoint's and its batches are those the run drew next; the LoGRA candidates
 follow --config. A draw whose batch has no non-zero advantage is skipped and counted, the
-other draws unchanged. The run is tests/trainer_runs.py's tiny one (format reward)."""
+other draws unchanged. The own_step candidate is the run's own next step (an AdamW, a LoGRA
+and an adaptive-subspace run), and an AdamW run's step splits into its moments' parts. The
+runs are tests/trainer_runs.py's tiny one (format reward), every checkpoint kept."""
 import dataclasses
 import json
 import math
@@ -215,13 +217,15 @@ def test_adamw_own_step_is_its_moments_parts(adam_run, tmp_path):
       trainer.close()
   assert float(np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(grad)))) > 1e-3
   wd = cfg.optim.adam.weight_decay
-  want = jax.tree.map(lambda mm, vv, w: -(mm / (np.sqrt(vv) + 1e-8) + wd * w), m, v, params)
+  want = jax.tree.map(lambda mm, vv, w: -(mm / (np.sqrt(vv) + dq.ADAM_EPS) + wd * w), m, v,
+                      params)
   unit = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) / np.sqrt(
       sum(np.sum(np.square(x, dtype=np.float64)) for x in jax.tree.leaves(t)))
   np.testing.assert_allclose(unit(own), unit(want), atol=1e-5)
   assert_trees_equal(parts['own_momentum'], jax.tree.map(np.negative, m))
   assert_trees_equal(parts['own_preconditioned'],
-                     jax.tree.map(lambda gg, vv: -gg / (np.sqrt(vv) + np.float32(1e-8)), g, v))
+                     jax.tree.map(lambda gg, vv: -gg / (np.sqrt(vv) + np.float32(dq.ADAM_EPS)),
+                                  g, v))
   with jax.enable_x64(False), pytest.raises(ValueError, match='need an AdamW run'):
     dq.adam_moments(cfg.optim, {'not': 'adam'}, grad)
   sketched = dataclasses.replace(cfg.optim, adam=dataclasses.replace(cfg.optim.adam,
