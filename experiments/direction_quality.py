@@ -157,12 +157,10 @@ def adam_moments(optim, opt_state, grad):
     raise ValueError(f"{OWN_ADAM} need an AdamW run of every parameter (optim.adam.trainable="
                      f"'all'), not {s.trainable!r}")
   if s.max_grad_norm:
-    norm = optax.global_norm(grad)
-    grad = jax.tree.map(lambda g: g * jnp.minimum(1.0, s.max_grad_norm / norm), grad)
-  t = st.count + 1
-  m = jax.tree.map(lambda m0, g: (s.b1 * m0 + (1 - s.b1) * g) / (1 - s.b1 ** t), st.mu, grad)
-  v = jax.tree.map(lambda v0, g: (s.b2 * v0 + (1 - s.b2) * g * g) / (1 - s.b2 ** t), st.nu,
-                   grad)
+    grad, _ = optax.clip_by_global_norm(s.max_grad_norm).update(grad, optax.EmptyState())
+  _, new = optax.scale_by_adam(s.b1, s.b2, ADAM_EPS).update(grad, st)  # optax's own moments
+  m = jax.tree.map(lambda x: x / (1 - s.b1 ** new.count), new.mu)
+  v = jax.tree.map(lambda x: x / (1 - s.b2 ** new.count), new.nu)
   return m, v, grad
 
 
@@ -219,7 +217,8 @@ def candidates(cfg, trainer, params, grad, batch, prompt_len: int, step: int, ke
   ds = directions(cfg, params, grad, step, key, names)
   if OWN_STEP in names:
     ds[OWN_STEP] = own_step(trainer, batch, prompt_len, step)
-  ds.update(own_adam_directions(trainer, grad, names) if set(OWN_ADAM) & set(names) else {})
+  if set(OWN_ADAM) & set(names):
+    ds.update(own_adam_directions(trainer, grad, names))
   return {n: ds[n] for n in names}
 
 
