@@ -38,6 +38,8 @@ The candidates (each a dense tree like the params; zero where a method does not 
                    scale; beside dense_gradient it isolates the averaging over batches
   own_preconditioned (AdamW runs) −g/(√v̂ + ε): batch a's clipped gradient scaled by the run's
                    second moment after it, without the averaging; own_step ∝ −m̂/(√v̂ + ε)
+  own_step_kernels own_step on LoGRA's sketched kernels only (zero elsewhere), and
+  own_step_rest    own_step on the rest (embedding, norms); gains add up to own_step's
 
 Writes WORKDIR/direction_quality.json and prints, per candidate, mean ± s.e. of score over
 the pairs and the ratio of LoGRA's mean score to AdamW's. The LAST line is that JSON.
@@ -139,7 +141,8 @@ CANDIDATES = ('dense_gradient', 'adamw', 'logra', 'logra_rank_x4', 'logra_orthog
               'sketched_gradient', 'random')
 OWN_STEP = 'own_step'  # built from the probe's trainer (`own_step`), not from a gradient
 OWN_ADAM = ('own_momentum', 'own_preconditioned')  # from an AdamW run's restored moments
-FROM_TRAINER = (OWN_STEP,) + OWN_ADAM
+OWN_PARTS = ('own_step_kernels', 'own_step_rest')  # own_step on LoGRA's kernels / elsewhere
+FROM_TRAINER = (OWN_STEP,) + OWN_ADAM + OWN_PARTS
 ADAM_EPS = 1e-8  # optax.adamw's default, which `optimizers.adam_optimizer` keeps
 
 
@@ -184,13 +187,22 @@ def own_step(trainer, batch, prompt_len: int, t: int):
                       trainer.method.policy_params(trainer.state))
 
 
+def own_step_parts(params, own) -> dict:
+  """`OWN_PARTS`: ``own`` (the run's own step) on LoGRA's sketched kernels only, and on the
+  rest only (the embedding, norms, biases); their sum is ``own``."""
+  targets = set(sketch.target_paths(params))
+  flat = traverse_util.flatten_dict(own)
+  return {'own_step_kernels': _zeros_except(params, {k: v for k, v in flat.items()
+                                                     if k in targets}),
+          'own_step_rest': _zeros_except(params, {k: v for k, v in flat.items()
+                                                  if k not in targets})}
+
+
 def directions(cfg, params, grad, step: int, key, names=CANDIDATES) -> dict:
   """The candidate updates (dense trees like ``params``) built from batch a's gradient;
   ``names``: which of `CANDIDATES` (each built only when asked for)."""
-  flat_g = traverse_util.flatten_dict(grad)
   targets = set(sketch.target_paths(params))
   leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
   build = {
       'dense_gradient': lambda: jax.tree.map(jnp.negative, grad),
       'adamw': lambda: adamw_direction(cfg.optim, params, grad),
@@ -198,10 +210,11 @@ def directions(cfg, params, grad, step: int, key, names=CANDIDATES) -> dict:
       'logra_rank_x4': lambda: logra_direction(cfg.optim, params, grad, cfg.seed, step, 4),
       'logra_orthogonal': lambda: logra_direction(cfg.optim, params, grad, cfg.seed, step,
                                                   projection='orthogonal'),
-      'sketched_gradient': lambda: _zeros_except(params, {k: -v for k, v in flat_g.items()
-                                                          if k in targets}),
-      'random': lambda: jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
-                                                  for k, x in zip(keys, leaves)]),
+      'sketched_gradient': lambda: _zeros_except(
+          params, {k: -v for k, v in traverse_util.flatten_dict(grad).items() if k in targets}),
+      'random': lambda: jax.tree.unflatten(tree, [
+          jax.random.normal(k, x.shape, x.dtype)
+          for k, x in zip(jax.random.split(key, len(leaves)), leaves)]),
   }
   unknown = set(names) - set(build) - set(FROM_TRAINER)
   if unknown:
@@ -213,10 +226,13 @@ def directions(cfg, params, grad, step: int, key, names=CANDIDATES) -> dict:
 def candidates(cfg, trainer, params, grad, batch, prompt_len: int, step: int, key,
                names=CANDIDATES) -> dict:
   """`directions` and, when ``names`` asks for them, the run's own step on ``batch`` and
-  the parts of an AdamW run's (`OWN_ADAM`), in ``names``' order."""
+  the parts of an AdamW run's (`OWN_ADAM`) and its split by kernels (`OWN_PARTS`), in
+  ``names``' order."""
   ds = directions(cfg, params, grad, step, key, names)
-  if OWN_STEP in names:
+  if {OWN_STEP, *OWN_PARTS} & set(names):
     ds[OWN_STEP] = own_step(trainer, batch, prompt_len, step)
+  if set(OWN_PARTS) & set(names):
+    ds.update(own_step_parts(params, ds[OWN_STEP]))
   if set(OWN_ADAM) & set(names):
     ds.update(own_adam_directions(trainer, grad, names))
   return {n: ds[n] for n in names}

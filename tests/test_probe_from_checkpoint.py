@@ -12,10 +12,11 @@ import os
 import sys
 
 import jax
+from flax import traverse_util
 import numpy as np
 import pytest
 
-from logra_jax import parallel
+from logra_jax import parallel, sketch
 from logra_jax.data import tiny_task
 from logra_jax.train import loop, methods
 from logra_jax.train.metrics import read_metrics
@@ -184,6 +185,10 @@ def test_own_step_is_the_step_the_run_took_next(run, request, tmp_path):
     try:
       batch, p = trainer.collect(3)[:2]
       got = [jax.device_get(dq.own_step(trainer, batch, p, 3)) for _ in range(2)]
+      params = trainer.method.policy_params(trainer.state)
+      parts = jax.device_get(dq.candidates(make_config(), trainer, params, None, batch, p, 3,
+                                           None, dq.OWN_PARTS))
+      targets = set(sketch.target_paths(params))
     finally:
       trainer.close()
     _, _, _, policy_at = loop.checkpoint_policies(run_cfg, workdir)
@@ -192,6 +197,13 @@ def test_own_step_is_the_step_the_run_took_next(run, request, tmp_path):
   assert_trees_equal(got[0], want)
   assert_trees_equal(got[1], want)
   assert max(float(np.abs(x).max()) for x in jax.tree.leaves(want)) > 0
+  # own_step split by LoGRA's kernels: each part is own_step where it lives, zero elsewhere.
+  flat_want = traverse_util.flatten_dict(want)
+  for name, inside in (('own_step_kernels', True), ('own_step_rest', False)):
+    for k, v in traverse_util.flatten_dict(parts[name]).items():
+      np.testing.assert_array_equal(v, flat_want[k] if (k in targets) == inside else 0 * v,
+                                    err_msg=f'{name} at {k}')
+  assert targets and set(flat_want) - targets
 
 
 def test_adamw_own_step_is_its_moments_parts(adam_run, tmp_path):
