@@ -18,7 +18,7 @@ import pytest
 
 from logra_jax import parallel, sketch
 from logra_jax.data import tiny_task
-from logra_jax.train import loop, methods
+from logra_jax.train import loop, methods, steps
 from logra_jax.train.metrics import read_metrics
 from trainer_runs import (assert_trees_equal, format_reward, make_config,  # noqa: F401
                           train, xla_cache)
@@ -266,3 +266,42 @@ def test_the_mean_over_draws_is_scored(adam_run, monkeypatch, tmp_path):
   with jax.enable_x64(False), pytest.raises(ValueError, match='not among the candidates'):
     dq.form_probe(make_config(), policy_dir, 1, ('logra', 'adamw'), chunk=4, log=quiet,
                   mean_of=('dense_gradient',))
+
+
+def test_momentum_retention_reads_a_refresh_checkpoint(adaptive_run):
+  """`momentum_retention.measure` at the adaptive run's refresh steps 2 and 4: per kernel, the
+  share of Z = A_old⁺ m that the new A's row space holds, against Z and the projector formed
+  densely (pinv in float64) from the restored state; a step that is not a refresh is refused."""
+  import momentum_retention as mr  # pylint: disable=g-import-not-at-top
+  run_cfg, workdir = adaptive_run
+  with jax.enable_x64(False):
+    out = mr.measure(run_cfg, workdir, [2, 4], log=quiet)
+    *_, state_at = loop.checkpoint_states(run_cfg, workdir)
+    states = {t: jax.device_get(state_at(t)) for t in (2, 4)}
+    with pytest.raises(ValueError, match='not a refresh step'):
+      mr.measure(run_cfg, workdir, [3], log=quiet)
+  assert [r['step'] for r in out['steps']] == [2, 4]
+  for r in out['steps']:
+    state = states[r['step']]
+    flat = lambda t: traverse_util.flatten_dict(t, sep='/')
+    mu = flat(steps.sketch_momentum_of(state['opt_state'][0]))
+    a_old, a_new = flat(state['prev_projections']), flat(state['projections'])
+    assert set(r['kernels']) == set(mu) and mu
+    energy = kept = 0.0
+    for path, m in mu.items():
+      shape = m.shape[-2:]
+      pairs = zip(*(np.asarray(x, np.float64).reshape((-1,) + x.shape[-2:])
+                    for x in (m, a_old[path], a_new[path])))
+      e = k = 0.0
+      for mm, ao, an in pairs:
+        z = np.linalg.pinv(ao) @ mm
+        p = np.linalg.pinv(an) @ an @ z
+        e, k = e + np.sum(z * z), k + np.sum(p * p)
+      assert not np.array_equal(a_old[path], a_new[path]), path  # A was rebuilt
+      # Both sides in float64 from the same fp32 arrays: equal to the rounding of the
+      # float64 solves (~1e-12); 1e-9 relative leaves room for Γ's conditioning.
+      np.testing.assert_allclose(r['kernels'][path]['kept'], k / e, rtol=1e-9, err_msg=path)
+      assert shape == (a_old[path].shape[-2], m.shape[-1])
+      energy, kept = energy + e, kept + k
+    np.testing.assert_allclose(r['kept'], kept / energy, rtol=1e-9)
+    assert 0 < r['kept'] < 1

@@ -420,6 +420,13 @@ def checkpoint_policies(cfg: TrainConfig, workdir: str, layout=None):
   """(task, model, model_config, policy_at) to read ``workdir``'s checkpoints without writing
   there: the task and model are built once; ``policy_at(step)`` restores that checkpoint (a
   step `checkpoint_steps` returned) and returns its policy params."""
+  task, model, model_config, method, state_at = checkpoint_states(cfg, workdir, layout)
+  return task, model, model_config, lambda step: method.policy_params(state_at(step))
+
+
+def checkpoint_states(cfg: TrainConfig, workdir: str, layout=None):
+  """As `checkpoint_policies`, with the method and ``state_at(step)``: the method's whole
+  restored state at that step (params, optimizer state, an adaptive subspace's A)."""
   layout = layout or parallel.layout_from_config(cfg.mesh)
   checkpoint = tasks.load_checkpoint(cfg)
   task = tasks.build_task(cfg, checkpoint=checkpoint)
@@ -431,14 +438,14 @@ def checkpoint_policies(cfg: TrainConfig, workdir: str, layout=None):
   like = abstract_like(checkpoint_like(state, advantage_estimator(cfg),
                                        reference_policy(cfg, method, state)))
 
-  def policy_at(step: int):
+  def state_at(step: int):
     reader = Checkpointer(workdir)
     try:
       restored, _ = reader.restore(step, like)
     finally:
       reader.close()
-    return method.policy_params(restored['method'])
-  return task, model, model_config, policy_at
+    return restored['method']
+  return task, model, model_config, method, state_at
 
 
 def evaluate_checkpoint(cfg: TrainConfig, workdir: str, step=None, layout=None,

@@ -1,0 +1,157 @@
+r"""What an adaptive subspace's refresh keeps of LoGRA's sketch momentum.
+
+At a refresh step t (t % optim.logra.refresh_every = 0) an adaptive-subspace LoGRA run builds
+the next projections A_new from the step's co-sketches, and from step t + 1 its sketch-space
+momentum m (R, D), expressed in the basis of the A_old it was built on, moves to A_new's basis
+by m ← A_new A_old⁺ m (`sketch.basis_transfer`). The momentum's dense form is
+Z = A_old⁺ m (K, D); after the transfer it is A_new⁺ A_new Z = P_new Z, its projection on
+A_new's row space. Per sketched kernel this reports
+
+  kept      ‖P_new Z‖² / ‖Z‖²: the share of the momentum's energy the refresh carries over;
+  random    R / K: what a uniformly random R-dimensional subspace keeps on average;
+  top_j     the share of ‖Z‖² in Z's j leading singular directions: what j rows of A_new set
+            to those directions would keep at least;
+
+and over all kernels, the energy-weighted means (Σ kept energy / Σ energy). Everything is
+computed on the host in float64 from R × R and R × D matrices: ‖Z‖² = tr(mᵀ Γ_old⁻¹ m) with
+Γ = A Aᵀ, ‖P_new Z‖² = tr((M m)ᵀ Γ_new⁻¹ (M m)) with M = A_new A_oldᵀ Γ_old⁻¹, and Z's squared
+singular values are the eigenvalues of Γ_old^{-½} m mᵀ Γ_old^{-½}. Z is never formed.
+
+The checkpoint of a refresh step holds A_new (`projections`), A_old (`prev_projections`) and
+the momentum after step t, still in A_old's basis (its `basis` = A_old's version; checked).
+
+  python experiments/momentum_retention.py --config=configs/compare_methods.py:ARM \
+      --config.seed=5 --from_workdir=RUN --steps=10,20,30 [--out=FILE.json]
+
+The LAST line is the JSON: {"steps": [{"step", "kept", "random", "top_j": {j: share},
+"kernels": {path: {...}}}], "top_j": [...]}.
+"""
+import json
+import os
+import sys
+
+from absl import app, flags
+from flax import traverse_util
+import jax
+from ml_collections import config_flags
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from logra_jax import sketch  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train import methods  # noqa: E402  pylint: disable=g-import-not-at-top
+from logra_jax.train.steps import logra_step  # noqa: E402  pylint: disable=g-import-not-at-top
+
+TOP_J = (4, 8)
+
+
+def retention(m, a_old, a_new, top_j=TOP_J) -> dict:
+  """What the transfer m ← A_new A_old⁺ m keeps of the dense moment Z = A_old⁺ m, for one
+  matrix (m (R, D), A (R, K), float64 on the host): {'energy': ‖Z‖², 'kept': ‖P_new Z‖²,
+  'random': R/K · ‖Z‖², 'top_j': {j: energy of Z's j leading singular directions}}. A stack
+  of matrices (leading axes, e.g. layers) sums over them."""
+  m, a_old, a_new = (np.asarray(x, np.float64) for x in (m, a_old, a_new))
+  m, a_old, a_new = (x.reshape((-1,) + x.shape[-2:]) for x in (m, a_old, a_new))
+  out = {'energy': 0.0, 'kept': 0.0, 'random': 0.0, 'top_j': {j: 0.0 for j in top_j}}
+  for mm, ao, an in zip(m, a_old, a_new):
+    g_old, g_new = ao @ ao.T, an @ an.T
+    w, v = np.linalg.eigh(g_old)
+    inv_sqrt = (v / np.sqrt(w)) @ v.T  # Γ_old^{-1/2}
+    energy = float(np.sum(mm * np.linalg.solve(g_old, mm)))
+    moved = an @ ao.T @ np.linalg.solve(g_old, mm)  # A_new Z = M m
+    out['energy'] += energy
+    out['kept'] += float(np.sum(moved * np.linalg.solve(g_new, moved)))
+    out['random'] += energy * ao.shape[0] / ao.shape[1]
+    sigma2 = np.sort(np.linalg.eigvalsh(inv_sqrt @ mm @ mm.T @ inv_sqrt))[::-1]
+    for j in top_j:
+      out['top_j'][j] += float(np.sum(sigma2[:j]))
+  return out
+
+
+def shares(parts: dict) -> dict:
+  """Energies → shares of the energy: {'kept', 'random', 'top_j': {j: share}}."""
+  e = parts['energy']
+  return {'kept': parts['kept'] / e, 'random': parts['random'] / e,
+          'top_j': {j: x / e for j, x in parts['top_j'].items()}}
+
+
+def refresh_retention(state, top_j=TOP_J) -> dict:
+  """`retention` of every sketched kernel in an adaptive LoGRA state restored at a refresh
+  step, and the energy-weighted totals: {'kernels': {path: shares}, 'kept', 'random',
+  'top_j'}."""
+  opt_state = state['opt_state']
+  mu = logra_step.sketch_momentum_of(opt_state[0] if isinstance(opt_state, (tuple, list))
+                                     else opt_state)
+  flat = lambda t: {k: np.asarray(jax.device_get(v))
+                    for k, v in traverse_util.flatten_dict(t, sep='/').items()}
+  mu, a_old, a_new = flat(mu), flat(state['prev_projections']), flat(state['projections'])
+  total = {'energy': 0.0, 'kept': 0.0, 'random': 0.0, 'top_j': {j: 0.0 for j in top_j}}
+  kernels = {}
+  for path in sorted(mu):
+    parts = retention(mu[path], a_old[path], a_new[path], top_j)
+    kernels[path] = shares(parts)
+    for k in ('energy', 'kept', 'random'):
+      total[k] += parts[k]
+    for j in top_j:
+      total['top_j'][j] += parts['top_j'][j]
+  return dict(shares(total), kernels=kernels)
+
+
+def momentum_basis(state) -> int:
+  """The version of A the restored sketch momentum is expressed in."""
+  is_m = lambda x: isinstance(x, sketch.SketchMomentumState)
+  found = [x for x in jax.tree.leaves(state['opt_state'], is_leaf=is_m) if is_m(x)]
+  return int(jax.device_get(found[0].basis))
+
+
+def check_refresh_step(o, step: int, basis: int):
+  """A refresh step of an adaptive run, whose momentum is still in A_old's basis."""
+  if o.subspace != 'adaptive':
+    raise ValueError("momentum_retention reads an adaptive subspace's refresh "
+                     f"(optim.logra.subspace='adaptive'), not {o.subspace!r}")
+  if step <= 0 or step % o.refresh_every:
+    raise ValueError(f'step {step} is not a refresh step (a positive multiple of '
+                     f'optim.logra.refresh_every={o.refresh_every})')
+  if basis != methods.active_version(o, step):
+    raise ValueError(f"step {step}'s momentum is in basis {basis}, not the refreshed A's "
+                     f'{methods.active_version(o, step)}: not the state right after a refresh')
+
+
+def measure(cfg, run_dir: str, steps, top_j=TOP_J, log=print) -> dict:
+  from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
+  steps = loop.checkpoint_steps(run_dir, steps)
+  *_, state_at = loop.checkpoint_states(cfg, run_dir)
+  out = []
+  for step in steps:
+    state = state_at(step)
+    check_refresh_step(cfg.optim.logra, step, momentum_basis(state))
+    r = dict(refresh_retention(state, top_j), step=int(step))
+    log(f"step {step}: kept {r['kept']:.3f} (random subspace {r['random']:.3f}; "
+        + ', '.join(f'top {j} {s:.3f}' for j, s in r['top_j'].items()) + ')')
+    out.append(r)
+  return {'steps': out, 'top_j': list(top_j)}
+
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  config_flags.DEFINE_config_file('config', None, 'The run\'s config (an adaptive LoGRA arm).')
+  flags.DEFINE_string('from_workdir', None, 'The run\'s workdir (its checkpoints are read).')
+  flags.DEFINE_list('steps', [], 'Refresh steps whose checkpoints to read.')
+  flags.DEFINE_string('out', '', 'Also write the JSON here.')
+
+
+def main(argv):
+  del argv
+  from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
+  cfg = from_config_dict(FLAGS.config)
+  result = measure(cfg, FLAGS.from_workdir, [int(s) for s in FLAGS.steps])
+  if FLAGS.out:
+    with open(FLAGS.out, 'w') as f:
+      json.dump(result, f, indent=1)
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
