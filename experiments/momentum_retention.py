@@ -25,6 +25,14 @@ the momentum after step t, still in A_old's basis (its `basis` = A_old's version
 
 The LAST line is the JSON: {"steps": [{"step", "kept", "random", "top_j": {j: share},
 "kernels": {path: {...}}}], "top_j": [...]}.
+
+``--adam_workdir=ADAM_RUN`` (an AdamW run of the same task and seed) measures instead whether
+what AdamW remembers lies in LoGRA's subspace: at each of ``--steps``, per sketched kernel, the
+share of the energy of AdamW's first moment m (K, D), and of its update direction
+m̂/(√v̂ + ε), in the row space of the A LoGRA uses after that step, next to R/K and to the share
+in m's own top R input directions (the most a rank-R input subspace could hold); and the
+overlap tr(P_s P_t)/R of LoGRA's A between the refresh steps among ``--steps``. JSON:
+{"steps": [{"step", "first_moment": {...}, "update": {...}}], "subspace_overlap": [...]}.
 """
 import json
 import os
@@ -35,8 +43,11 @@ from flax import traverse_util
 import jax
 from ml_collections import config_flags
 import numpy as np
+import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import direction_quality  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax import sketch  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train import methods  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train.steps import logra_step  # noqa: E402  pylint: disable=g-import-not-at-top
@@ -67,6 +78,38 @@ def retention(m, a_old, a_new, top_j=TOP_J) -> dict:
   return out
 
 
+def subspace_share(x, a, top: int) -> dict:
+  """How much of x (K, D) lies in A's (R, K) row space, float64 on the host: {'energy': ‖x‖²,
+  'in_subspace': ‖P_A x‖² (P_A = A⁺ A), 'random': R/K · ‖x‖², 'top': the energy of x's
+  ``top`` leading singular directions (the most any rank-``top`` input subspace holds)}. A
+  stack of matrices (leading axes) sums over them."""
+  x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+  x, a = x.reshape((-1,) + x.shape[-2:]), a.reshape((-1,) + a.shape[-2:])
+  out = {'energy': 0.0, 'in_subspace': 0.0, 'random': 0.0, 'top': 0.0}
+  for xx, aa in zip(x, a):
+    ax = aa @ xx
+    energy = float(np.sum(xx * xx))
+    out['energy'] += energy
+    out['in_subspace'] += float(np.sum(ax * np.linalg.solve(aa @ aa.T, ax)))
+    out['random'] += energy * aa.shape[0] / aa.shape[1]
+    gram = xx @ xx.T if xx.shape[0] <= xx.shape[1] else xx.T @ xx
+    out['top'] += float(np.sum(np.sort(np.linalg.eigvalsh(gram))[::-1][:top]))
+  return out
+
+
+def overlap(a, b) -> float:
+  """tr(P_A P_B) / min(R_A, R_B) of two projections' row spaces (1: one holds the other; R/K
+  on average for independent random ones), averaged over a stack's matrices."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  a, b = a.reshape((-1,) + a.shape[-2:]), b.reshape((-1,) + b.shape[-2:])
+  vals = []
+  for aa, bb in zip(a, b):
+    cross = aa @ bb.T
+    t = np.trace(np.linalg.solve(aa @ aa.T, cross) @ np.linalg.solve(bb @ bb.T, cross.T))
+    vals.append(t / min(aa.shape[0], bb.shape[0]))
+  return float(np.mean(vals))
+
+
 def shares(parts: dict) -> dict:
   """Energies → shares of the energy: {'kept', 'random', 'top_j': {j: share}}."""
   e = parts['energy']
@@ -81,9 +124,8 @@ def refresh_retention(state, top_j=TOP_J) -> dict:
   opt_state = state['opt_state']
   mu = logra_step.sketch_momentum_of(opt_state[0] if isinstance(opt_state, (tuple, list))
                                      else opt_state)
-  flat = lambda t: {k: np.asarray(jax.device_get(v))
-                    for k, v in traverse_util.flatten_dict(t, sep='/').items()}
-  mu, a_old, a_new = flat(mu), flat(state['prev_projections']), flat(state['projections'])
+  mu, a_old, a_new = (flat_arrays(t) for t in (mu, state['prev_projections'],
+                                                state['projections']))
   total = {'energy': 0.0, 'kept': 0.0, 'random': 0.0, 'top_j': {j: 0.0 for j in top_j}}
   kernels = {}
   for path in sorted(mu):
@@ -131,6 +173,68 @@ def measure(cfg, run_dir: str, steps, top_j=TOP_J, log=print) -> dict:
   return {'steps': out, 'top_j': list(top_j)}
 
 
+def flat_arrays(tree) -> dict:
+  return {k: np.asarray(jax.device_get(v))
+          for k, v in traverse_util.flatten_dict(tree, sep='/').items()}
+
+
+def adam_moments_of(state, b1: float, b2: float, eps: float = direction_quality.ADAM_EPS):
+  """(m, m̂/(√v̂ + ε)) of a restored AdamW state, flat by path: its first moment and the
+  direction its next step would take without a new gradient (bias-corrected as optax's
+  Adam)."""
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  found = [x for x in jax.tree.leaves(state['opt_state'], is_leaf=is_adam) if is_adam(x)]
+  if len(found) != 1:
+    raise ValueError(f'--adam_workdir must be an AdamW run (one ScaleByAdamState), found '
+                     f'{len(found)}')
+  count = int(jax.device_get(found[0].count))
+  mu, nu = flat_arrays(found[0].mu), flat_arrays(found[0].nu)
+  step = {k: (mu[k] / (1 - b1 ** count)) / (np.sqrt(nu[k] / (1 - b2 ** count)) + eps)
+          for k in mu}
+  return mu, step
+
+
+def adam_in_subspace(cfg, logra_dir: str, adam_dir: str, steps, log=print) -> dict:
+  """Measurement M2 (module docstring): per step, the share of AdamW's first moment and of
+  its update direction in the row space of LoGRA's A after that step, per kernel and
+  energy-weighted, and the overlap of LoGRA's A between the refresh steps among ``steps``."""
+  from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
+  adam_cfg = direction_quality.probe_config(cfg, adam_dir)
+  steps = loop.checkpoint_steps(logra_dir, steps)
+  loop.checkpoint_steps(adam_dir, steps)
+  *_, logra_at = loop.checkpoint_states(cfg, logra_dir)
+  *_, adam_at = loop.checkpoint_states(adam_cfg, adam_dir)
+  out, subspaces = [], {}
+  for step in steps:
+    a = flat_arrays(logra_at(step)['projections'])
+    subspaces[step] = a
+    moments = adam_moments_of(adam_at(step), adam_cfg.optim.adam.b1, adam_cfg.optim.adam.b2)
+    row = {'step': int(step)}
+    for name, tree in zip(('first_moment', 'update'), moments):
+      total = {'energy': 0.0, 'in_subspace': 0.0, 'random': 0.0, 'top': 0.0}
+      kernels = {}
+      for path in sorted(a):
+        parts = subspace_share(tree[path], a[path], a[path].shape[-2])
+        kernels[path] = {k: parts[k] / parts['energy'] for k in
+                         ('in_subspace', 'random', 'top')}
+        for k in total:
+          total[k] += parts[k]
+      row[name] = dict({k: total[k] / total['energy'] for k in ('in_subspace', 'random', 'top')},
+                       kernels=kernels)
+      log(f"step {step}, AdamW's {name}: in LoGRA's subspace {row[name]['in_subspace']:.3f} "
+          f"(random {row[name]['random']:.3f}; its own top R {row[name]['top']:.3f})")
+    out.append(row)
+  refreshes = [t for t in steps if t % cfg.optim.logra.refresh_every == 0]
+  drift = []
+  for i, s in enumerate(refreshes):
+    for t in refreshes[i + 1:]:
+      per = {p: overlap(subspaces[s][p], subspaces[t][p]) for p in subspaces[s]}
+      drift.append({'steps': [int(s), int(t)], 'overlap': float(np.mean(list(per.values()))),
+                    'kernels': per})
+      log(f"LoGRA's A after steps {s} and {t}: overlap {drift[-1]['overlap']:.3f}")
+  return {'steps': out, 'subspace_overlap': drift}
+
+
 FLAGS = flags.FLAGS
 
 
@@ -138,6 +242,8 @@ def define_flags():
   config_flags.DEFINE_config_file('config', None, 'The run\'s config (an adaptive LoGRA arm).')
   flags.DEFINE_string('from_workdir', None, 'The run\'s workdir (its checkpoints are read).')
   flags.DEFINE_list('steps', [], 'Refresh steps whose checkpoints to read.')
+  flags.DEFINE_string('adam_workdir', '', 'An AdamW run of the same task and seed: measure its '
+                      "moments' share in LoGRA's subspace (M2) instead.")
   flags.DEFINE_string('out', '', 'Also write the JSON here.')
 
 
@@ -145,7 +251,11 @@ def main(argv):
   del argv
   from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
   cfg = from_config_dict(FLAGS.config)
-  result = measure(cfg, FLAGS.from_workdir, [int(s) for s in FLAGS.steps])
+  steps = [int(s) for s in FLAGS.steps]
+  if FLAGS.adam_workdir:
+    result = adam_in_subspace(cfg, FLAGS.from_workdir, FLAGS.adam_workdir, steps)
+  else:
+    result = measure(cfg, FLAGS.from_workdir, steps)
   if FLAGS.out:
     with open(FLAGS.out, 'w') as f:
       json.dump(result, f, indent=1)

@@ -62,3 +62,43 @@ def test_a_stack_of_matrices_sums_over_them():
   for k in ('energy', 'kept', 'random'):
     assert got[k] == pytest.approx(sum(p[k] for p in parts), rel=1e-12)
   assert got['top_j'][2] == pytest.approx(sum(p['top_j'][2] for p in parts), rel=1e-12)
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_subspace_share_is_the_projection_onto_a_row_space(seed):
+  rng = np.random.default_rng(10 + seed)
+  x, a = rng.normal(size=(2, K, D)), rng.normal(size=(2, R, K))
+  got = mr.subspace_share(x, a, 3)
+  energy = in_sub = top = 0.0
+  for xx, aa in zip(x, a):
+    p = np.linalg.pinv(aa) @ aa @ xx
+    s = np.linalg.svd(xx, compute_uv=False)
+    energy, in_sub, top = energy + np.sum(xx * xx), in_sub + np.sum(p * p), top + np.sum(s[:3] ** 2)
+  np.testing.assert_allclose([got['energy'], got['in_subspace'], got['top']],
+                             [energy, in_sub, top], rtol=1e-10)
+  assert got['random'] == pytest.approx(energy * R / K, rel=1e-12)
+
+
+def test_overlap_of_row_spaces():
+  rng = np.random.default_rng(5)
+  a, b = rng.normal(size=(R, K)), rng.normal(size=(R + 2, K))
+  p = lambda m: np.linalg.pinv(m) @ m
+  assert mr.overlap(a, b) == pytest.approx(np.trace(p(a) @ p(b)) / R, rel=1e-10)
+  assert mr.overlap(a, rng.normal(size=(R, R)) @ a) == pytest.approx(1.0, rel=1e-10)
+  q, _ = np.linalg.qr(np.concatenate([a.T, rng.normal(size=(K, R))], axis=1))
+  assert abs(mr.overlap(a, q[:, R:].T)) < 1e-10
+
+
+def test_adam_moments_of_is_the_step_optax_took_last():
+  """m̂/(√v̂ + ε) from the state after t updates is optax.adam's t-th update (lr 1, negated)."""
+  import optax  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(6)
+  params = {'w': np.zeros((3, 4), np.float32)}
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.scale_by_adam(0.9, 0.95))
+  state = opt.init(params)
+  for _ in range(3):
+    update, state = opt.update({'w': rng.normal(size=(3, 4)).astype(np.float32)}, state)
+  mu, step = mr.adam_moments_of({'opt_state': state}, 0.9, 0.95)
+  # optax's fp32 arithmetic (a few roundings, ~5e-7) against float64 from the same moments.
+  np.testing.assert_allclose(step['w'], np.asarray(update['w']), rtol=1e-5)
+  np.testing.assert_array_equal(mu['w'], np.asarray(state[1].mu['w']))

@@ -305,3 +305,31 @@ def test_momentum_retention_reads_a_refresh_checkpoint(adaptive_run):
       energy, kept = energy + e, kept + k
     np.testing.assert_allclose(r['kept'], kept / energy, rtol=1e-9)
     assert 0 < r['kept'] < 1
+
+
+def test_adam_moment_in_logra_subspace_reads_both_runs(adaptive_run, adam_run):
+  """M2 from the tiny runs' checkpoints (same task and seed): at steps 2 and 4, per kernel,
+  the share of AdamW's first moment in the row space of the adaptive run's A, against the
+  projector formed densely (pinv, float64); the overlap of the A built at 2 and at 4."""
+  import momentum_retention as mr  # pylint: disable=g-import-not-at-top
+  run_cfg, logra_dir = adaptive_run
+  adam_cfg, adam_dir = adam_run
+  with jax.enable_x64(False):
+    out = mr.adam_in_subspace(run_cfg, logra_dir, adam_dir, [2, 4], log=quiet)
+    *_, logra_at = loop.checkpoint_states(run_cfg, logra_dir)
+    *_, adam_at = loop.checkpoint_states(adam_cfg, adam_dir)
+    a = {t: traverse_util.flatten_dict(jax.device_get(logra_at(t)['projections']), sep='/')
+         for t in (2, 4)}
+    mu = {t: traverse_util.flatten_dict(jax.device_get(adam_at(t)['opt_state'])[1][0].mu,
+                                        sep='/') for t in (2, 4)}
+  assert [r['step'] for r in out['steps']] == [2, 4]
+  for r in out['steps']:
+    t = r['step']
+    for path, share in r['first_moment']['kernels'].items():
+      x = np.asarray(mu[t][path], np.float64).reshape((-1,) + mu[t][path].shape[-2:])
+      aa = np.asarray(a[t][path], np.float64).reshape((-1,) + a[t][path].shape[-2:])
+      p = [np.linalg.pinv(m) @ m @ y for m, y in zip(aa, x)]
+      want = sum(np.sum(q * q) for q in p) / np.sum(x * x)
+      np.testing.assert_allclose(share['in_subspace'], want, rtol=1e-9, err_msg=path)
+  drift, = out['subspace_overlap']
+  assert drift['steps'] == [2, 4] and 0 < drift['overlap'] < 1
