@@ -235,6 +235,73 @@ def adam_in_subspace(cfg, logra_dir: str, adam_dir: str, steps, log=print) -> di
   return {'steps': out, 'subspace_overlap': drift}
 
 
+def project_rows(x, a):
+  """P_A x for x (…, K, D), A (…, R, K): x's columns projected on A's row space (float64)."""
+  x, a = np.asarray(x, np.float64), np.asarray(a, np.float64)
+  shape = x.shape
+  x, a = x.reshape((-1,) + shape[-2:]), a.reshape((-1,) + a.shape[-2:])
+  return np.stack([aa.T @ np.linalg.solve(aa @ aa.T, aa @ xx)
+                   for xx, aa in zip(x, a)]).reshape(shape)
+
+
+def form_gradient(model, task, params, chunk: int = 32) -> dict:
+  """g_F = ∇(J_terse − J_template) at ``params`` over the task's held-out problems (as the
+  form probe computes it), flat by path, float64 on the host."""
+  records = task.eval_records[:len(task.eval_records) // chunk * chunk]
+  grads = {}
+  for form in ('terse', 'template'):
+    batch, p = direction_quality.form_batch(task, form, records)
+    grads[form] = flat_arrays(direction_quality.chunked_loglik_and_grad(
+        model, params, batch, p, chunk)[1])
+  return {k: grads['terse'][k].astype(np.float64) - grads['template'][k] for k in grads['terse']}
+
+
+def gain_split(g_form: dict, direction: dict, a: dict) -> dict:
+  """The form gain ⟨g_F, D⟩ of D (flat by path) on the sketched kernels (the paths of ``a``),
+  inside A's row space (⟨g_F, P_A D⟩) and outside it, and on the rest; per kernel kind too."""
+  out = {'kernels': 0.0, 'inside': 0.0, 'rest': 0.0, 'per_kernel': {}}
+  for path, d in direction.items():
+    g = g_form[path]
+    total = float(np.sum(g * d))
+    if path not in a:
+      out['rest'] += total
+      continue
+    inside = float(np.sum(g * project_rows(d, a[path])))
+    out['kernels'] += total
+    out['inside'] += inside
+    out['per_kernel'][path] = {'kernels': total, 'inside': inside}
+  out['outside'] = out['kernels'] - out['inside']
+  out['inside_share'] = out['inside'] / out['kernels'] if out['kernels'] else float('nan')
+  return out
+
+
+def adam_form_gain_split(cfg, logra_dir: str, adam_dir: str, steps, chunk: int = 32,
+                         log=print) -> dict:
+  """Measurement M3: at AdamW's policy of each of ``steps``, the form gain of what it remembers
+  (−m) and of its update direction (−m̂/(√v̂ + ε)), split by LoGRA's subspace (`gain_split`)."""
+  from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
+  adam_cfg = direction_quality.probe_config(cfg, adam_dir)
+  steps = loop.checkpoint_steps(logra_dir, steps)
+  loop.checkpoint_steps(adam_dir, steps)
+  *_, logra_at = loop.checkpoint_states(cfg, logra_dir)
+  task, model, _, method, adam_at = loop.checkpoint_states(adam_cfg, adam_dir)
+  out = []
+  for step in steps:
+    a = flat_arrays(logra_at(step)['projections'])
+    state = adam_at(step)
+    g_form = form_gradient(model, task, method.policy_params(state), chunk)
+    moments = adam_moments_of(state, adam_cfg.optim.adam.b1, adam_cfg.optim.adam.b2)
+    row = {'step': int(step)}
+    for name, tree in zip(('first_moment', 'update'), moments):
+      row[name] = gain_split(g_form, {k: -np.asarray(v, np.float64) for k, v in tree.items()}, a)
+      r = row[name]
+      log(f"step {step}, −AdamW's {name}: form gain on the kernels {r['kernels']:.4g}, inside "
+          f"LoGRA's subspace {r['inside']:.4g} (share {r['inside_share']:.3f}), outside "
+          f"{r['outside']:.4g}; on the rest {r['rest']:.4g}")
+    out.append(row)
+  return {'steps': out}
+
+
 FLAGS = flags.FLAGS
 
 
@@ -244,6 +311,8 @@ def define_flags():
   flags.DEFINE_list('steps', [], 'Refresh steps whose checkpoints to read.')
   flags.DEFINE_string('adam_workdir', '', 'An AdamW run of the same task and seed: measure its '
                       "moments' share in LoGRA's subspace (M2) instead.")
+  flags.DEFINE_bool('form_gain', False, 'With --adam_workdir: the form objective\'s gain of '
+                    "AdamW's moment and update, split by LoGRA's subspace (M3).")
   flags.DEFINE_string('out', '', 'Also write the JSON here.')
 
 
@@ -252,7 +321,11 @@ def main(argv):
   from logra_jax.train.config import from_config_dict  # pylint: disable=g-import-not-at-top
   cfg = from_config_dict(FLAGS.config)
   steps = [int(s) for s in FLAGS.steps]
-  if FLAGS.adam_workdir:
+  if FLAGS.form_gain:
+    if not FLAGS.adam_workdir:
+      raise app.UsageError('--form_gain needs --adam_workdir')
+    result = adam_form_gain_split(cfg, FLAGS.from_workdir, FLAGS.adam_workdir, steps)
+  elif FLAGS.adam_workdir:
     result = adam_in_subspace(cfg, FLAGS.from_workdir, FLAGS.adam_workdir, steps)
   else:
     result = measure(cfg, FLAGS.from_workdir, steps)

@@ -102,3 +102,20 @@ def test_adam_moments_of_is_the_step_optax_took_last():
   # optax's fp32 arithmetic (a few roundings, ~5e-7) against float64 from the same moments.
   np.testing.assert_allclose(step['w'], np.asarray(update['w']), rtol=1e-5)
   np.testing.assert_array_equal(mu['w'], np.asarray(state[1].mu['w']))
+
+
+def test_gain_split_adds_up_and_projects_as_pinv():
+  """⟨g, D⟩ on the kernels splits into ⟨g, P_A D⟩ (P_A = A⁺A, explicit pinv) and the rest of
+  it; leaves without an A count as the rest."""
+  rng = np.random.default_rng(7)
+  a = {'k': rng.normal(size=(2, R, K))}
+  g = {'k': rng.normal(size=(2, K, D)), 'emb': rng.normal(size=(5,))}
+  d = {'k': rng.normal(size=(2, K, D)), 'emb': rng.normal(size=(5,))}
+  got = mr.gain_split(g, d, a)
+  inside = sum(np.sum(gg * (np.linalg.pinv(aa) @ aa @ dd))
+               for gg, aa, dd in zip(g['k'], a['k'], d['k']))
+  np.testing.assert_allclose(got['inside'], inside, rtol=1e-10)
+  np.testing.assert_allclose(got['kernels'], np.sum(g['k'] * d['k']), rtol=1e-12)
+  np.testing.assert_allclose(got['outside'], got['kernels'] - inside, rtol=1e-8)
+  np.testing.assert_allclose(got['rest'], np.sum(g['emb'] * d['emb']), rtol=1e-12)
+  assert got['per_kernel']['k']['inside'] == got['inside']
