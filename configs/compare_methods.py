@@ -219,6 +219,13 @@ def ablation(arg=None) -> dict:
     # shorter moment follow the policy sooner?
     arms['logra_m0.9_T10_rest_adaptive'] = dict(arms['logra_m0.95_T10_rest_adaptive'],
                                                 **{'optim.logra.momentum': 0.9})
+    # Session 31, before any of its runs: with rest_learning_rate the rest's Adam step is
+    # scaled by the step's alpha (0.005-0.075 on SmolLM2), so the tied embedding moved at
+    # ~1e-7 where AdamW's moves at 1e-5 (its KL share in LoGRA's step was 5e-8, measured from
+    # seed 5's step-25 checkpoint). The default with the rest at its own learning rate
+    # (optim.logra.rest_step='own'; alpha from the kernels alone).
+    arms['logra_m0.95_T10_rest_adaptive_restown'] = dict(
+        arms['logra_m0.95_T10_rest_adaptive'], **{'optim.logra.rest_step': 'own'})
     arms['adam_sketched'] = arms.pop('adam_sketched')  # last: a seed's runs reach the goal's
                                                        # arms first (~40 min a run on the CPU)
   if task == 'smoke':
@@ -243,7 +250,10 @@ def ablation(arg=None) -> dict:
     # report steps. Both optimistic picks, confirmed or not on fresh seeds 2 and 3.
     # Session 25, fixed before their runs: seeds 4 and 5 added, so that the default's frontier
     # against that lr rests on six seeds (0-1 of smollm2, 2-5 here); no arm added.
-    arms = {a: arms[a] for a in ('logra_m0.95_T10_rest_adaptive', f'adam_lr{lrs[1]:g}')}
+    # Session 31, before its runs: the rest at its own learning rate (the smollm2 arm of that
+    # session), on these seeds as well.
+    arms = {a: arms[a] for a in ('logra_m0.95_T10_rest_adaptive', f'adam_lr{lrs[1]:g}',
+                                 'logra_m0.95_T10_rest_adaptive_restown')}
     seeds = (2, 3, 4, 5)
   # Issue 23 states the SmolLM2 goal at steps 30 and 50; tiny's at the last step (final).
   report_steps = {'smollm2': (30, 50), 'smollm2_confirm': (30, 50),

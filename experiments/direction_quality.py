@@ -107,6 +107,9 @@ def logra_direction(optim, params, grad, seed: int, step: int, rank_scale: int =
   optim.logra.rest_learning_rate the unsketched leaves' Adam step (``rank_scale``,
   ``projection``: the same with ranks scaled, another kind of A)."""
   lg = optim.logra
+  if lg.rest_learning_rate and lg.rest_step != 'budget':
+    raise ValueError("the logra candidate scales the rest's step with the kernels' (α); with "
+                     f"optim.logra.rest_step={lg.rest_step!r} the two have no common scale")
   if projection:
     lg = dataclasses.replace(lg, projection=projection)
   if rank_scale != 1:

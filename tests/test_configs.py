@@ -418,6 +418,22 @@ def test_rest_learning_rate_is_refused_below_zero_and_belongs_to_logra():
     config_lib.from_config_dict(c)
 
 
+def test_rest_step_own_needs_a_trained_rest_and_belongs_to_logra():
+  with pytest.raises(ValueError, match=r"rest_step='own' needs a trained rest"):
+    config_lib.from_config_dict(config_dict(optim__logra__rest_step='own',
+                                            optim__logra__rest_learning_rate=0.0))
+  with pytest.raises(ValueError, match=r"optim\.logra\.rest_step='alpha' must be one of"):
+    config_lib.from_config_dict(config_dict(optim__logra__rest_step='alpha',
+                                            optim__logra__rest_learning_rate=1e-5))
+  cfg = config_lib.from_config_dict(config_dict(optim__logra__rest_step='own',
+                                                optim__logra__rest_learning_rate=1e-5))
+  assert cfg.optim.logra.rest_step == 'own'
+  c = config_dict(optim__logra__rest_step='own', optim__logra__rest_learning_rate=1e-5)
+  c['optim']['name'] = 'adam'  # a LoGRA key with another method is refused
+  with pytest.raises(ValueError, match='rest_step'):
+    config_lib.from_config_dict(c)
+
+
 def test_tiny_config_validates():
   cfg = config_lib.from_config_dict(tiny.get_config())
   assert cfg.optim.name == 'logra' and cfg.model.preset == 'tiny'

@@ -390,16 +390,19 @@ def test_kl_budget_as_a_ceiling_with_scale_free_row_adam(x64, setup, dense_grads
 REST_LR = 1e-3
 
 
-@pytest.mark.parametrize('m', [1, 2])
+@pytest.mark.parametrize('m,under_budget', [(1, True), (2, True), (1, False), (2, False)])
 def test_rest_trains_by_adam_on_its_dense_gradient_under_the_same_alpha(x64, setup, dense_grads,
-                                                                        m):
+                                                                        m, under_budget):
   """optim.logra.rest_learning_rate: the unsketched leaves take Adam's first step −lr·g/(|g| + ε)
   on their dense gradient, the kernels the same U as without them, and one α from a dense JVP
-  along both together scales both (float64; the micro-batches change nothing)."""
+  along both together scales both (float64; the micro-batches change nothing). With
+  optim.logra.rest_step='own' (``under_budget`` False) the rest takes its step itself and α
+  comes from the JVP along the kernels' direction alone."""
   _, model, params, batch, a = setup
   rest_opt = optimizers.rest_optimizer(
       OptimSection(logra=LograSection(rest_learning_rate=REST_LR)), total_steps=10)
-  step = steps.make_logra_step(model, loss_config(), LOGRA_OPT, step_config(m),
+  step = steps.make_logra_step(model, loss_config(), LOGRA_OPT,
+                               step_config(m, rest_under_budget=under_budget),
                                projection_spec(model), rest_opt=rest_opt)
   opt_state = (LOGRA_OPT.init(sketch.zero_probes(params, a)),
                rest_opt.init(sketch.rest_of(params, a)))
@@ -415,15 +418,16 @@ def test_rest_trains_by_adam_on_its_dense_gradient_under_the_same_alpha(x64, set
   v = {p: -REST_LR * g[p] / (np.abs(g[p]) + 1e-8) for p in rest_paths}  # Adam's first step
   logits_fn = lambda p: step_losses.completion_logits(model, {'params': p}, batch, P)
   logits, dlogits = jax.jit(lambda p, t: jax.jvp(logits_fn, (p,), (t,)))(
-      params, dense_tangent(params, {**delta, **v}))
+      params, dense_tangent(params, {**delta, **v} if under_budget else delta))
   q = float(sketch.kl_coefficient(logits, dlogits, 1.0, batch['target_mask']))
   alpha = min(3.0, math.sqrt(BUDGET / q))
   assert 0.1 < alpha < 3.0
   close(metrics['loss'], loss)
   close(metrics['kl_coefficient'], q)
   close(metrics['alpha'], alpha)
+  rest_scale = alpha if under_budget else 1.0
   for path, w_ in flat(params).items():
-    close(flat(new)[path] - w_, alpha * (delta[path] if path in delta else v[path]))
+    close(flat(new)[path] - w_, alpha * delta[path] if path in delta else rest_scale * v[path])
   for path in rest_paths:  # Adam's first moment holds (1 − b1)·g
     close(flat(rest_state[0].mu)[path],
           0.1 * g[path])

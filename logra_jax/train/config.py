@@ -122,6 +122,9 @@ class LograSection:
   rest_learning_rate: float = 0.0  # > 0: the leaves LoGRA does not sketch (embeddings, head,
   #   norm scales) train densely by Adam (b1 0.9, b2 = b2) at this lr, in the same step and
   #   under the same KL budget; 0: frozen (the paper). Generators then get full weights.
+  rest_step: str = 'budget'  # the rest's Adam step: 'budget' (scaled by the step's alpha with
+  #   the kernels', one KL probe along both) | 'own' (at rest_learning_rate itself, alpha from
+  #   the kernels' direction alone: with alpha ~0.01 'budget' moves the rest ~100x slower)
   sparse_mask: float = 0.0  # drop this fraction of output units per step (unbiased)
   param_rounding: str = 'stochastic'  # bf16 params: W + ΔW stochastically rounded | 'nearest'
   kl_control: bool = True   # α from the predicted KL (else α = 1)
@@ -261,6 +264,7 @@ CHOICES = {
     'optim.logra.sketch_optimizer': ('row_adam', 'adam', 'adafactor', 'sgd'),
     'optim.logra.projection': ('rademacher', 'gaussian', 'orthogonal'),
     'optim.logra.subspace': ('random', 'adaptive'),
+    'optim.logra.rest_step': ('budget', 'own'),
     'optim.logra.kl_probe': ('jvp', 'fd'),
     'optim.logra.param_rounding': ('stochastic', 'nearest'),  # = train.steps.PARAM_ROUNDINGS
     'optim.adam.trainable': ('all', 'sketched'),
@@ -311,6 +315,9 @@ def _check(cfg: TrainConfig):
   if lg.rest_learning_rate < 0:
     raise ValueError(f'config key optim.logra.rest_learning_rate must be >= 0 (0: the rest '
                      f'frozen), got {lg.rest_learning_rate}')
+  if lg.rest_step == 'own' and not lg.rest_learning_rate:
+    raise ValueError("config key optim.logra.rest_step='own' needs a trained rest "
+                     '(optim.logra.rest_learning_rate > 0)')
   if lg.kl_budget_final < 0:
     raise ValueError(f'config key optim.logra.kl_budget_final must be >= 0, '
                      f'got {lg.kl_budget_final}')

@@ -47,7 +47,8 @@ def _step_config(cfg: TrainConfig, prompt_len: int) -> steps.StepConfig:
                           return_update=low_rank_sync,
                           telemetry_every=o.telemetry_every,
                           param_rounding=lg.param_rounding,
-                          prompt_group=prompt_group(cfg))
+                          prompt_group=prompt_group(cfg),
+                          rest_under_budget=lg.rest_step == 'budget')
 
 
 def prompt_group(cfg: TrainConfig) -> int:

@@ -52,7 +52,9 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
   ``rest_opt`` (optional; `optim.logra.rest_learning_rate`): the leaves LoGRA does not sketch
   (`sketch.rest_of`: embeddings, the head, norm scales) train densely with it, from the
   gradient the same backward gives them. ``opt_state`` is then (sketch state, rest state); the
-  step's direction is (AᵀU, V) together: one JVP gives q along both, one α scales both.
+  step's direction is (AᵀU, V) together: one JVP gives q along both, one α scales both. With
+  ``sc.rest_under_budget`` False the rest takes V itself, and q and α are the kernels' alone
+  (the rest's KL outside the budget).
   """
   linear = model.clone(sketch_mode='linear')
   fd_linear = kl_probe.fp32_compute(linear) if sc.kl_probe == 'fd' else None
@@ -94,6 +96,8 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
       v, new_rest_state = rest_opt.update(g_rest, rest_state, point[1])
       new_opt_state = (new_opt_state, new_rest_state)
     direction = (u, v) if rest else u
+    if rest and not sc.rest_under_budget:  # the probe along the kernels' direction alone
+      direction = (u, jax.tree.map(jnp.zeros_like, v))
     kl_batch, kl_share = kl_probe.kl_batch(batch, sc.kl_sequences, sh, sc.prompt_group)
     kl_mask = kl_batch['target_mask']
     out_fn = lambda p, m=linear: completion.forward(
@@ -108,7 +112,7 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
       rk = rounding_key(sc, key)
       new = sketch.apply_sketch_updates(params, u, projections, alpha, key=rk)
       if rest:  # the rest's rounding: a key of its own
-        new = sketch.apply_dense_updates(new, v, alpha,
+        new = sketch.apply_dense_updates(new, v, alpha if sc.rest_under_budget else 1.0,
                                          key=None if rk is None else jax.random.fold_in(rk, 1))
       return new
     new_params = jax.lax.cond(ok, apply, lambda: params)

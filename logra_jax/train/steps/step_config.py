@@ -22,6 +22,10 @@ class StepConfig(NamedTuple):
   # with optim.share_prompts): each run's prompt is computed once (`completion.forward`,
   # `micro_batches.prompt_share`). 1: every row computes its own prompt.
   prompt_group: int = 1
+  # With a trained rest (`logra_update_fn`'s rest_opt): True scales its step by α with the
+  # kernels' (one probe along both); False applies it at its own learning rate, α from the
+  # kernels' direction alone (config key optim.logra.rest_step='own').
+  rest_under_budget: bool = True
 
 
 class StepShardings(NamedTuple):
