@@ -18,6 +18,7 @@ from ml_collections import config_flags
 from configs import tiny
 from logra_jax import sketch
 from logra_jax.train import config as config_lib
+from logra_jax.train import methods
 from logra_jax.train import tasks
 from logra_jax.train.config import from_config_dict
 
@@ -428,6 +429,9 @@ def test_rest_step_own_needs_a_trained_rest_and_belongs_to_logra():
   cfg = config_lib.from_config_dict(config_dict(optim__logra__rest_step='own',
                                                 optim__logra__rest_learning_rate=1e-5))
   assert cfg.optim.logra.rest_step == 'own'
+  step_config = methods._step_config  # pylint: disable=protected-access
+  assert not step_config(cfg, 16).rest_under_budget
+  assert step_config(config_lib.from_config_dict(config_dict()), 16).rest_under_budget
   c = config_dict(optim__logra__rest_step='own', optim__logra__rest_learning_rate=1e-5)
   c['optim']['name'] = 'adam'  # a LoGRA key with another method is refused
   with pytest.raises(ValueError, match='rest_step'):
