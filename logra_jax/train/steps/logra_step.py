@@ -95,15 +95,21 @@ def logra_update_fn(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
     if rest:
       v, new_rest_state = rest_opt.update(g_rest, rest_state, point[1])
       new_opt_state = (new_opt_state, new_rest_state)
-    direction = (u, v) if rest else u
-    if rest and not sc.rest_under_budget:  # the probe along the kernels' direction alone
-      direction = (u, jax.tree.map(jnp.zeros_like, v))
+    direction, probe_point = ((u, v), point) if rest else (u, point)
     kl_batch, kl_share = kl_probe.kl_batch(batch, sc.kl_sequences, sh, sc.prompt_group)
     kl_mask = kl_batch['target_mask']
     out_fn = lambda p, m=linear: completion.forward(
         m, _variables(params, projections, p, rest), kl_batch, sc.prompt_len, kl_share)
-    probe = lambda: kl_probe.probe_kl(model, out_fn, fd_linear, point, direction, sc.kl_probe,
-                                      budget, temp, kl_mask)
+    if rest and not sc.rest_under_budget:
+      # The probe along the kernels' direction alone: the rest held at its values, outside the
+      # JVP (a zero rest tangent instead gave NaN q on SmolLM2 in XLA:CPU's compiled step,
+      # not in the same step run op by op).
+      direction, probe_point, rest_now = u, point[0], point[1]
+      out_fn = lambda p, m=linear: completion.forward(
+          m, _variables(params, projections, (p, rest_now), True), kl_batch, sc.prompt_len,
+          kl_share)
+    probe = lambda: kl_probe.probe_kl(model, out_fn, fd_linear, probe_point, direction,
+                                      sc.kl_probe, budget, temp, kl_mask)
     probed = probe() if sc.kl_control else None
     alpha = sketch.step_scale(probed[1], budget, sc.alpha_max) if probed else jnp.ones_like(budget)
     ok = all_finite(grads) & jnp.isfinite(metrics['loss']) & jnp.isfinite(alpha)
