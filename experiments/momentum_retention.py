@@ -121,9 +121,8 @@ def refresh_retention(state, top_j=TOP_J) -> dict:
   """`retention` of every sketched kernel in an adaptive LoGRA state restored at a refresh
   step, and the energy-weighted totals: {'kernels': {path: shares}, 'kept', 'random',
   'top_j'}."""
-  opt_state = state['opt_state']
-  mu = logra_step.sketch_momentum_of(opt_state[0] if isinstance(opt_state, (tuple, list))
-                                     else opt_state)
+  # The one sketch momentum anywhere in the state (with a trained rest, beside its Adam state).
+  mu = logra_step.sketch_momentum_of(state['opt_state'])
   mu, a_old, a_new = (flat_arrays(t) for t in (mu, state['prev_projections'],
                                                 state['projections']))
   total = {'energy': 0.0, 'kept': 0.0, 'random': 0.0, 'top_j': {j: 0.0 for j in top_j}}
