@@ -119,3 +119,20 @@ def test_gain_split_adds_up_and_projects_as_pinv():
   np.testing.assert_allclose(got['outside'], got['kernels'] - inside, rtol=1e-8)
   np.testing.assert_allclose(got['rest'], np.sum(g['emb'] * d['emb']), rtol=1e-12)
   assert got['per_kernel']['k']['inside'] == got['inside']
+
+
+@pytest.mark.parametrize('with_rest', [False, True])
+def test_refresh_retention_finds_the_momentum_with_or_without_a_trained_rest(with_rest):
+  """A run without a trained rest has the sketch optimizer's state alone (a chain's tuple);
+  with one, the pair (sketch state, rest state): the momentum is found in either."""
+  from logra_jax import sketch  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(8)
+  m, a_old, a_new = rng.normal(size=(R, D)), rng.normal(size=(R, K)), rng.normal(size=(R, K))
+  chain = (optax.EmptyState(), sketch.SketchMomentumState(np.int32(3), {'k': m}, np.uint32(0)))
+  opt_state = (chain, optax.EmptyState()) if with_rest else chain
+  got = mr.refresh_retention({'opt_state': opt_state, 'projections': {'k': a_new},
+                              'prev_projections': {'k': a_old}})
+  want = mr.shares(mr.retention(m, a_old, a_new))
+  assert got['kept'] == pytest.approx(want['kept'], rel=1e-12)
+  assert set(got['kernels']) == {'k'}
