@@ -157,10 +157,12 @@ def check_refresh_step(o, step: int, basis: int):
                      f'{methods.active_version(o, step)}: not the state right after a refresh')
 
 
-def measure(cfg, run_dir: str, steps, top_j=TOP_J, log=print) -> dict:
+def measure(cfg, run_dir: str, steps, top_j=TOP_J, log=print, state_at=None) -> dict:
+  """Measurement M at ``steps`` (refresh steps) of ``run_dir``; ``state_at``: the run's
+  `loop.checkpoint_states` reader when the caller has one (else built here)."""
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
   steps = loop.checkpoint_steps(run_dir, steps)
-  *_, state_at = loop.checkpoint_states(cfg, run_dir)
+  state_at = state_at or loop.checkpoint_states(cfg, run_dir)[-1]
   out = []
   for step in steps:
     state = state_at(step)
@@ -193,16 +195,19 @@ def adam_moments_of(state, b1: float, b2: float, eps: float = direction_quality.
   return mu, step
 
 
-def adam_in_subspace(cfg, logra_dir: str, adam_dir: str, steps, log=print) -> dict:
+def adam_in_subspace(cfg, logra_dir: str, adam_dir: str, steps, log=print, logra_at=None,
+                     adam_at=None) -> dict:
   """Measurement M2 (module docstring): per step, the share of AdamW's first moment and of
   its update direction in the row space of LoGRA's A after that step, per kernel and
-  energy-weighted, and the overlap of LoGRA's A between the refresh steps among ``steps``."""
+  energy-weighted, and the overlap of LoGRA's A between the refresh steps among ``steps``.
+  ``logra_at``, ``adam_at``: the runs' `loop.checkpoint_states` readers, when the caller has
+  them (else built here)."""
   from logra_jax.train import loop  # pylint: disable=g-import-not-at-top
   adam_cfg = direction_quality.probe_config(cfg, adam_dir)
   steps = loop.checkpoint_steps(logra_dir, steps)
   loop.checkpoint_steps(adam_dir, steps)
-  *_, logra_at = loop.checkpoint_states(cfg, logra_dir)
-  *_, adam_at = loop.checkpoint_states(adam_cfg, adam_dir)
+  logra_at = logra_at or loop.checkpoint_states(cfg, logra_dir)[-1]
+  adam_at = adam_at or loop.checkpoint_states(adam_cfg, adam_dir)[-1]
   out, subspaces = [], {}
   for step in steps:
     a = flat_arrays(logra_at(step)['projections'])

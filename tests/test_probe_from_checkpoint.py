@@ -268,18 +268,26 @@ def test_the_mean_over_draws_is_scored(adam_run, monkeypatch, tmp_path):
                   mean_of=('dense_gradient',))
 
 
-def test_momentum_retention_reads_a_refresh_checkpoint(adaptive_run):
+@pytest.fixture(scope='module')
+def readers(adaptive_run, adam_run):
+  """`loop.checkpoint_states`' readers of the adaptive and the AdamW run, built once."""
+  with jax.enable_x64(False):
+    return {name: loop.checkpoint_states(*run)[-1]
+            for name, run in (('adaptive', adaptive_run), ('adam', adam_run))}
+
+
+def test_momentum_retention_reads_a_refresh_checkpoint(adaptive_run, readers):
   """`momentum_retention.measure` at the adaptive run's refresh steps 2 and 4: per kernel, the
   share of Z = A_old⁺ m that the new A's row space holds, against Z and the projector formed
   densely (pinv in float64) from the restored state; a step that is not a refresh is refused."""
   import momentum_retention as mr  # pylint: disable=g-import-not-at-top
   run_cfg, workdir = adaptive_run
+  state_at = readers['adaptive']
   with jax.enable_x64(False):
-    out = mr.measure(run_cfg, workdir, [2, 4], log=quiet)
-    *_, state_at = loop.checkpoint_states(run_cfg, workdir)
+    out = mr.measure(run_cfg, workdir, [2, 4], log=quiet, state_at=state_at)
     states = {t: jax.device_get(state_at(t)) for t in (2, 4)}
     with pytest.raises(ValueError, match='not a refresh step'):
-      mr.measure(run_cfg, workdir, [3], log=quiet)
+      mr.measure(run_cfg, workdir, [3], log=quiet, state_at=state_at)
   assert [r['step'] for r in out['steps']] == [2, 4]
   for r in out['steps']:
     state = states[r['step']]
@@ -307,17 +315,17 @@ def test_momentum_retention_reads_a_refresh_checkpoint(adaptive_run):
     assert 0 < r['kept'] < 1
 
 
-def test_adam_moment_in_logra_subspace_reads_both_runs(adaptive_run, adam_run):
+def test_adam_moment_in_logra_subspace_reads_both_runs(adaptive_run, adam_run, readers):
   """M2 from the tiny runs' checkpoints (same task and seed): at steps 2 and 4, per kernel,
   the share of AdamW's first moment in the row space of the adaptive run's A, against the
   projector formed densely (pinv, float64); the overlap of the A built at 2 and at 4."""
   import momentum_retention as mr  # pylint: disable=g-import-not-at-top
   run_cfg, logra_dir = adaptive_run
-  adam_cfg, adam_dir = adam_run
+  _, adam_dir = adam_run
+  logra_at, adam_at = readers['adaptive'], readers['adam']
   with jax.enable_x64(False):
-    out = mr.adam_in_subspace(run_cfg, logra_dir, adam_dir, [2, 4], log=quiet)
-    *_, logra_at = loop.checkpoint_states(run_cfg, logra_dir)
-    *_, adam_at = loop.checkpoint_states(adam_cfg, adam_dir)
+    out = mr.adam_in_subspace(run_cfg, logra_dir, adam_dir, [2, 4], log=quiet,
+                              logra_at=logra_at, adam_at=adam_at)
     a = {t: traverse_util.flatten_dict(jax.device_get(logra_at(t)['projections']), sep='/')
          for t in (2, 4)}
     mu = {t: traverse_util.flatten_dict(jax.device_get(adam_at(t)['opt_state'])[1][0].mu,
