@@ -149,16 +149,20 @@ FROM_TRAINER = (OWN_STEP,) + OWN_ADAM + OWN_PARTS
 ADAM_EPS = 1e-8  # optax.adamw's default, which `optimizers.adam_optimizer` keeps
 
 
-def adam_moments(optim, opt_state, grad):
-  """(m̂, v̂): an AdamW run's bias-corrected moments after one more gradient ``grad``, clipped
-  as its optimizer clips (`optimizers.adam_optimizer`: global norm, then Adam's moments)."""
-  found = [x for x in jax.tree.leaves(opt_state,
-                                      is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-           if isinstance(x, optax.ScaleByAdamState)]
+def adam_state(opt_state) -> optax.ScaleByAdamState:
+  """The one `optax.ScaleByAdamState` of an AdamW run's optimizer state."""
+  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
   if len(found) != 1:
     raise ValueError(f'{OWN_ADAM} need an AdamW run (one ScaleByAdamState in its optimizer '
                      f'state); this run has {len(found)}')
-  s, st = optim.adam, found[0]
+  return found[0]
+
+
+def adam_moments(optim, opt_state, grad):
+  """(m̂, v̂): an AdamW run's bias-corrected moments after one more gradient ``grad``, clipped
+  as its optimizer clips (`optimizers.adam_optimizer`: global norm, then Adam's moments)."""
+  s, st = optim.adam, adam_state(opt_state)
   if s.trainable != 'all':
     raise ValueError(f"{OWN_ADAM} need an AdamW run of every parameter (optim.adam.trainable="
                      f"'all'), not {s.trainable!r}")

@@ -43,12 +43,10 @@ from flax import traverse_util
 import jax
 from ml_collections import config_flags
 import numpy as np
-import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import direction_quality  # noqa: E402  pylint: disable=g-import-not-at-top
-from logra_jax import sketch  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train import methods  # noqa: E402  pylint: disable=g-import-not-at-top
 from logra_jax.train.steps import logra_step  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -122,7 +120,7 @@ def refresh_retention(state, top_j=TOP_J) -> dict:
   step, and the energy-weighted totals: {'kernels': {path: shares}, 'kept', 'random',
   'top_j'}."""
   # The one sketch momentum anywhere in the state (with a trained rest, beside its Adam state).
-  mu = logra_step.sketch_momentum_of(state['opt_state'])
+  mu = logra_step.sketch_momentum_state(state['opt_state']).mu
   mu, a_old, a_new = (flat_arrays(t) for t in (mu, state['prev_projections'],
                                                 state['projections']))
   total = {'energy': 0.0, 'kept': 0.0, 'random': 0.0, 'top_j': {j: 0.0 for j in top_j}}
@@ -139,9 +137,7 @@ def refresh_retention(state, top_j=TOP_J) -> dict:
 
 def momentum_basis(state) -> int:
   """The version of A the restored sketch momentum is expressed in."""
-  is_m = lambda x: isinstance(x, sketch.SketchMomentumState)
-  found = [x for x in jax.tree.leaves(state['opt_state'], is_leaf=is_m) if is_m(x)]
-  return int(jax.device_get(found[0].basis))
+  return int(jax.device_get(logra_step.sketch_momentum_state(state['opt_state']).basis))
 
 
 def check_refresh_step(o, step: int, basis: int):
@@ -183,13 +179,9 @@ def adam_moments_of(state, b1: float, b2: float, eps: float = direction_quality.
   """(m, m̂/(√v̂ + ε)) of a restored AdamW state, flat by path: its first moment and the
   direction its next step would take without a new gradient (bias-corrected as optax's
   Adam)."""
-  is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
-  found = [x for x in jax.tree.leaves(state['opt_state'], is_leaf=is_adam) if is_adam(x)]
-  if len(found) != 1:
-    raise ValueError(f'--adam_workdir must be an AdamW run (one ScaleByAdamState), found '
-                     f'{len(found)}')
-  count = int(jax.device_get(found[0].count))
-  mu, nu = flat_arrays(found[0].mu), flat_arrays(found[0].nu)
+  adam = direction_quality.adam_state(state['opt_state'])
+  count = int(jax.device_get(adam.count))
+  mu, nu = flat_arrays(adam.mu), flat_arrays(adam.nu)
   step = {k: (mu[k] / (1 - b1 ** count)) / (np.sqrt(nu[k] / (1 - b2 ** count)) + eps)
           for k in mu}
   return mu, step

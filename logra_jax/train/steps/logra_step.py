@@ -191,14 +191,19 @@ def make_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
 ADAPTIVE_SALT = 0x5A17  # the adaptive subspace's random rows: a stream apart from the rounding
 
 
-def sketch_momentum_of(sketch_state):
-  """The sketch-space moments m (…, R, D) inside a LoGRA sketch optimizer's state."""
+def sketch_momentum_state(opt_state) -> sketch.SketchMomentumState:
+  """The one `sketch.SketchMomentumState` anywhere in ``opt_state`` (its moments and basis)."""
   is_m = lambda x: isinstance(x, sketch.SketchMomentumState)
-  found = [x for x in jax.tree.leaves(sketch_state, is_leaf=is_m) if is_m(x)]
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_m) if is_m(x)]
   if len(found) != 1:
     raise ValueError('an adaptive subspace builds A from the sketch-space moment: the sketch '
                      f'optimizer must have one (optim.logra.momentum > 0), found {len(found)}')
-  return found[0].mu
+  return found[0]
+
+
+def sketch_momentum_of(sketch_state):
+  """The sketch-space moments m (…, R, D) inside a LoGRA sketch optimizer's state."""
+  return sketch_momentum_state(sketch_state).mu
 
 
 def make_adaptive_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
