@@ -55,7 +55,11 @@ with A rebuilt every 10 steps (T100 never redraws A in a 50-step run), and
 annealed to its level at step 50, and `logra_m0.95_T10_rest_adaptive_kl1.5e-3to1.5e-4`, the
 default's total KL front-loaded; (session 24) `logra_m0.95_T5_rest_adaptive`, the default's
 adaptive subspace rebuilt every 5 steps instead of 10, and `logra_m0.9_T10_rest_adaptive`, the
-default with sketch-space momentum 0.9 instead of 0.95.
+default with sketch-space momentum 0.9 instead of 0.95; (session 31)
+`logra_m0.95_T10_rest_adaptive_restown`, the rest's Adam step at its own learning rate
+(optim.logra.rest_step='own'); (session 32) `logra_m0.95_T10_rest_adaptive_ceil_lr{3e-06,
+1e-05,3e-05}`, tiny's step rule on the default: an Adam-scale RowAdam step at a learning rate
+(AdamW's three), the budget a ceiling (alpha_max 1) instead of a target.
 
 Should reach (the issue's goals, held out): tiny: LoGRA's mean final pass@1 at least the best
 dense-AdamW lr's (paired difference >= 0, with its s.e.); SmolLM2: LoGRA at least the best
@@ -226,6 +230,19 @@ def ablation(arg=None) -> dict:
     # (optim.logra.rest_step='own'; alpha from the kernels alone).
     arms['logra_m0.95_T10_rest_adaptive_restown'] = dict(
         arms['logra_m0.95_T10_rest_adaptive'], **{'optim.logra.rest_step': 'own'})
+    # Session 32, before any of their runs: tiny's step rule, never run here. Every SmolLM2
+    # arm so far normalises RowAdam's step to a fixed relative size (update_ratio 1e-3) and
+    # then sets alpha so that each step spends the whole KL budget (a target): the step's
+    # size says nothing of how far the batches agree. On tiny that rule ended 15 points below
+    # dense Adam, and the budget as a ceiling over an Adam-scale step (preserve_norm off, a
+    # learning rate, alpha_max 1) closed it (README). Here the same: RowAdam's entries ~1 as
+    # Adam's (A's rows of norm sqrt(K/R), so A^T U has entries ~1 too), a learning rate, and
+    # the default's budget (1e-3 -> 1e-4) as a ceiling; the lr swept over AdamW's three.
+    for lr in lrs:
+      arms[f'logra_m0.95_T10_rest_adaptive_ceil_lr{lr:g}'] = dict(
+          arms['logra_m0.95_T10_rest_adaptive'], **{
+              'optim.logra.preserve_norm': False, 'optim.logra.update_ratio': 0.0,
+              'optim.logra.learning_rate': lr, 'optim.logra.alpha_max': 1.0})
     arms['adam_sketched'] = arms.pop('adam_sketched')  # last: a seed's runs reach the goal's
                                                        # arms first (~40 min a run on the CPU)
   if task == 'smoke':
@@ -251,9 +268,12 @@ def ablation(arg=None) -> dict:
     # Session 25, fixed before their runs: seeds 4 and 5 added, so that the default's frontier
     # against that lr rests on six seeds (0-1 of smollm2, 2-5 here); no arm added.
     # Session 31, before its runs: the rest at its own learning rate (the smollm2 arm of that
-    # session), on these seeds as well.
+    # session), on these seeds as well. Session 32, before their runs: the ceiling arms, so
+    # that they can be screened here (seed 5) and confirmed on these seeds.
     arms = {a: arms[a] for a in ('logra_m0.95_T10_rest_adaptive', f'adam_lr{lrs[1]:g}',
-                                 'logra_m0.95_T10_rest_adaptive_restown')}
+                                 'logra_m0.95_T10_rest_adaptive_restown',
+                                 *(f'logra_m0.95_T10_rest_adaptive_ceil_lr{lr:g}'
+                                   for lr in lrs))}
     seeds = (2, 3, 4, 5)
   # Issue 23 states the SmolLM2 goal at steps 30 and 50; tiny's at the last step (final).
   report_steps = {'smollm2': (30, 50), 'smollm2_confirm': (30, 50),

@@ -130,6 +130,33 @@ def test_task_configs_run_the_parity_study_arm_they_name(name, variant, task, ar
                        if got.get(k) != want.get(k)}
 
 
+@pytest.mark.parametrize('task', VARIANTS['compare_methods'])
+def test_every_arm_of_every_study_task_validates(task):
+  """compare_methods.py builds every arm's config before it trains any: a bad arm must fail
+  here, not after hours of the study's other runs."""
+  study = _module('compare_methods')
+  for arm in study.ablation(task)['arms']:
+    from_config_dict(study.get_config(f'{task}/{arm}'))
+
+
+def test_the_smollm2_ceiling_arms_change_only_the_step_rule():
+  """The session-32 arms: the default's config with tiny's step rule (an Adam-scale RowAdam
+  step, a learning rate, the budget a ceiling: alpha_max 1), the lr over AdamW's three."""
+  study = _module('compare_methods')
+  base = _flat(study.get_config('smollm2_confirm/logra_m0.95_T10_rest_adaptive').to_dict())
+  for lr in (3e-6, 1e-5, 3e-5):
+    arm = study.get_config(f'smollm2_confirm/logra_m0.95_T10_rest_adaptive_ceil_lr{lr:g}')
+    cfg = from_config_dict(arm)
+    o = cfg.optim.logra
+    assert (o.preserve_norm, o.update_ratio, o.learning_rate, o.alpha_max) == (
+        False, 0.0, lr, 1.0)
+    assert o.kl_control and o.kl_budget_init == 1e-3
+    got = _flat(arm.to_dict())
+    changed = {k for k in set(got) | set(base) if got.get(k) != base.get(k)}
+    assert changed == {f'optim.logra.{k}' for k in ('preserve_norm', 'update_ratio',
+                                                    'learning_rate', 'alpha_max')}, changed
+
+
 def test_smollm2_vllm_variant_sends_the_low_rank_payload():
   """:vllm is the default with the rest frozen: the generators take U (and the adaptive A),
   not full weights every step (methods.py sends full weights when the rest trains)."""
