@@ -55,7 +55,7 @@ envs:
 	$(MAKE) -j2 trl-venv .venv-vllm/.installed
 
 test: envs
-	$(BIN)/python -m pytest tests -q -ra --durations=15 -n $(JOBS) --dist loadfile \
+	$(BIN)/python -m pytest tests -q -ra --durations=30 -n $(JOBS) --dist loadfile \
 	    --no-loadscope-reorder $(ARGS)
 
 clean:
