@@ -105,7 +105,7 @@ def test_refresh_builds_the_next_a_from_the_gradient_times_the_moment(x64, setup
   rng = np.random.default_rng(7)
   m = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape)), sketch.zero_probes(params, a))
   state = (state[0], state[1]._replace(mu=m)) + tuple(state[2:])  # RowAdam, momentum, lr
-  assert steps.sketch_momentum_of(state) is m
+  assert steps.sketch_momentum_state(state).mu is m
   step_fn, refresh_fn = steps.make_adaptive_logra_step(
       model, loss_config(), opt, step_config(m=2), RANDOM_ROWS)
   args = lambda: (copy(params), copy(state), batch, a, a, np.uint32(0))

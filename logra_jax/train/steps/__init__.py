@@ -16,7 +16,7 @@ T completion length, L = P + T, V vocabulary.
 from logra_jax.train.steps.dense_step import make_dense_step
 from logra_jax.train.steps.kl_probe import telemetry_at
 from logra_jax.train.steps.logra_step import (logra_update_fn, make_adaptive_logra_step,
-                                              make_logra_step, sketch_momentum_of)
+                                              make_logra_step, sketch_momentum_state)
 from logra_jax.train.steps.losses import make_ref_logp
 from logra_jax.train.steps.projections import ProjectionSpec, draw_projections
 from logra_jax.train.steps.rounding import PARAM_ROUNDINGS

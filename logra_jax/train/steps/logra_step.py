@@ -201,11 +201,6 @@ def sketch_momentum_state(opt_state) -> sketch.SketchMomentumState:
   return found[0]
 
 
-def sketch_momentum_of(sketch_state):
-  """The sketch-space moments m (…, R, D) inside a LoGRA sketch optimizer's state."""
-  return sketch_momentum_state(sketch_state).mu
-
-
 def make_adaptive_logra_step(model, loss_cfg, opt: optax.GradientTransformationExtraArgs,
                              sc: StepConfig, random_rows: int,
                              sh: Optional[StepShardings] = None,
@@ -236,7 +231,7 @@ def make_adaptive_logra_step(model, loss_cfg, opt: optax.GradientTransformationE
                   **basis(a, a_prev, version))
 
   def refresh(params, opt_state, batch, a, a_prev, version, seed, t, budget, key, telemetry):
-    m = sketch_momentum_of(opt_state[0] if rest_opt is not None else opt_state)
+    m = sketch_momentum_state(opt_state).mu  # (…, R, D); the rest's Adam has none
     out = update(params, opt_state, batch, a, budget, key, telemetry, coprojections=m,
                  **basis(a, a_prev, version))
     new_params, new_opt_state, metrics, c = out[:4]
